@@ -1,0 +1,200 @@
+"""A Llama-style decoder over a static, position-addressed KV cache.
+
+One forward serves prefill, decode and speculative verification: the caller packs any tokens
+of any slots into one batch `[T]` and says, for each token, its slot, its position and its
+place in a small dense query grid `[R, Q]` (one row per slot taking part). Linear layers cost
+`T` tokens; attention runs per grid row against that row's slot of the cache.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 49152
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF `rope_scaling`, e.g. {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 8192
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+@dataclass
+class Batch:
+    """Where each packed token goes. `T` tokens, a query grid of `R` rows by `Q` columns.
+
+    Padding tokens carry `slot = S` (the scratch row of the cache) and `cell = R * Q` (a
+    scratch cell of the grid), so they write nowhere that matters.
+    """
+    tokens: Tensor  # [T] token ids
+    slot: Tensor  # [T] cache row written
+    pos: Tensor  # [T] position written and attended up to
+    cell: Tensor  # [T] flat index into the query grid [R * Q + 1]
+    row_slot: Tensor  # [R] cache row each grid row attends to
+    n_cols: int  # Q
+    ctx_len: int  # attend to cache positions [0, ctx_len): a bucket, not max_seq_len
+
+
+def rope_frequencies(args: ModelArgs) -> Tensor:
+    """Inverse frequencies, with Llama-3 or linear `rope_scaling` applied."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        smooth = ((old_len / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; minispark knows default, linear, llama3")
+    return inv_freq.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]; cos/sin: [T, 1, D/2]. Half-split rotation, as in HF Llama checkpoints.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.k_cache: Tensor | None = None  # [S + 1, L, Hkv, D]; row S is scratch
+        self.v_cache: Tensor | None = None
+
+    def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        T = x.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(T, H, D), cos, sin)
+        k = apply_rope(k.view(T, Hkv, D), cos, sin)
+        self.k_cache.index_put_((b.slot, b.pos), k.to(self.k_cache.dtype))
+        self.v_cache.index_put_((b.slot, b.pos), v.view(T, Hkv, D).to(self.v_cache.dtype))
+
+        R, Q = b.row_slot.shape[0], b.n_cols
+        grid = q.new_zeros(R * Q + 1, H, D).index_copy(0, b.cell, q)[:-1]  # [R*Q, H, D]
+        grid = grid.view(R, Q, H, D).transpose(1, 2)  # [R, H, Q, D]
+        keys = self.k_cache[b.row_slot, : b.ctx_len].transpose(1, 2).to(q.dtype)  # [R, Hkv, C, D]
+        vals = self.v_cache[b.row_slot, : b.ctx_len].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(grid, keys, vals, attn_mask=mask, enable_gqa=Hkv != H)
+        out = out.transpose(1, 2).reshape(R * Q, H * D)
+        return self.wo(out[b.cell.clamp(max=R * Q - 1)])  # [T, dim]; padding reads any cell
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), b, cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate the static KV cache: one scratch row beyond `max_batch_size` for padding."""
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        device = self.tok_embeddings.weight.device
+        shape = (max_batch_size + 1, max_seq_len, self.args.n_kv_heads, self.args.head_dim)
+        for layer in self.layers:
+            layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def forward(
+        self, b: Batch, logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits `[N, V]` of the packed tokens `logits_at` (all `T` when None) and, when asked,
+        the outputs of `hidden_layers` (0-based) for every token, `[T, len(hidden_layers), dim]`."""
+        freqs = b.pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        mask = self.attention_mask(b)
+        x = self.tok_embeddings(b.tokens)  # [T, dim]
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, b, cos, sin, mask)
+            if i in hidden_layers:
+                hidden.append(x)
+        if logits_at is not None:
+            x = x[logits_at]
+        logits = self.output(self.norm(x)).float()
+        return logits, (torch.stack(hidden, dim=1) if hidden_layers else None)
+
+    @staticmethod
+    def attention_mask(b: Batch) -> Tensor:
+        """[R, 1, Q, C] bool: a query sees its slot's cache up to its own position. Empty grid
+        cells get position 0 so that no row is fully masked (that would give NaN)."""
+        R, Q = b.row_slot.shape[0], b.n_cols
+        qpos = b.pos.new_zeros(R * Q + 1).index_copy(0, b.cell, b.pos)[:-1].view(R, Q)
+        kpos = torch.arange(b.ctx_len, device=b.pos.device)
+        return (kpos[None, None, :] <= qpos[:, :, None])[:, None]
