@@ -31,3 +31,33 @@ def tiny_pair(seed: int = 0, **overrides):
 @pytest.fixture
 def tiny_models():
     return tiny_pair()
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for tiny random models: token id i < 256 is byte i, and ids past
+    255 decode to nothing; `eos` (when given) is the only stop token."""
+
+    def __init__(self, eos: int | None = None):
+        self.stop_ids = [] if eos is None else [eos]
+        self.special_ids = set(self.stop_ids)
+        self.eos_id = eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return bytes(i for i in ids if i < 256)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode(errors="replace")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages))
+
+
+def tiny_llm(spec: str = "off", seed: int = 0, eos: int | None = None, max_batch_size: int = 4,
+             max_seq_len: int = 256, **overrides):
+    from minispark.engine import LLM
+
+    _, ms = tiny_pair(seed, **overrides)
+    return LLM.from_model(ms, ByteTokenizer(eos), spec=spec, max_batch_size=max_batch_size, max_seq_len=max_seq_len)

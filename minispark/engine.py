@@ -1,0 +1,507 @@
+"""The engine: slots on the device, prefill, the speculative decode step, continuous batching.
+
+`Engine` owns the device state and the step; `LLM` is the user API on top (requests, text,
+streaming). The step reads like the algorithm: draft, allocate, pack, verify, accept, commit.
+"""
+from __future__ import annotations
+
+import codecs
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from . import price, verify
+from .drafters import NgramDrafter
+from .model import Batch, Transformer
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+SPEC_MODES = ("off", "ngram")
+SOURCES = ("ngram", "spark", "target")
+MAX_STOP_IDS = 8
+FINISH = {1: "stop", 2: "length"}
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def bucket(x: int, sizes: Sequence[int]) -> int:
+    """The smallest size >= x (the last size when none is)."""
+    return next((s for s in sizes if s >= x), sizes[-1])
+
+
+# ----------------------------------------------------------------------------- user-facing types
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"SamplingParams: {what}")
+
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0 or self.temperature == float("inf"):
+            raise bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    num_steps: int = 0  # decode steps this request took part in
+    accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOut:
+    """What one step tells the host, for rows [0, R). Small tensors, copied without blocking."""
+    tokens: Tensor  # [R, Q] emitted tokens (first n valid)
+    n: Tensor  # [R] emitted count (0 for inactive rows)
+    n_draft: Tensor  # [R] of those, drafted tokens accepted
+    source: Tensor  # [R] index into SOURCES of the verified chain
+    finish: Tensor  # [R] 0 running, 1 stop, 2 length
+    valid: Tensor  # [R] drafted tokens available this step (the host's budget estimate)
+
+
+# ----------------------------------------------------------------------------- the device engine
+
+
+class Engine:
+    """Device state for `S` slots of up to `L` tokens, and the step that advances them."""
+
+    def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 16,
+                 ngram: NgramDrafter | None = None, draft_budget: int = 64):
+        self.model, self.spec = model, spec
+        S, L = self.S, self.L = max_batch_size, max_seq_len
+        self.ngram = ngram or NgramDrafter(k=ngram_k)
+        self.K = self.ngram.k if spec != "off" else 0
+        self.Q = self.K + 1
+        self.draft_budget = draft_budget
+        dev = self.device = model.tok_embeddings.weight.device
+        model.setup_cache(S, L)
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        self.tokens = zeros(S, L + self.Q)  # columns past L take writes that are discarded
+        self.lens, self.next_tok, self.n_gen, self.max_new = zeros(S), zeros(S), zeros(S), zeros(S)
+        self.active = zeros(S, dtype=torch.bool)
+        self.temperature, self.top_p = zeros(S, dtype=torch.float), torch.ones(S, device=dev)
+        self.top_k, self.seed = zeros(S), zeros(S)
+        self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def set_request(self, slot: int, prompt: list[int], p: SamplingParams, seed: int, stop_ids: list[int]) -> None:
+        """Write a request's parameters into `slot` (its prompt goes through `prefill`)."""
+        self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
+        self.seed[slot], self.max_new[slot] = seed, p.max_tokens
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, : len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
+        self.tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
+        """Run the prompts of newly admitted requests through the target in one packed forward
+        and sample each one's first token, which becomes its anchor `next_tok`."""
+        dev, R = self.device, len(slots)
+        lengths = [len(p) for p in prompts]
+        Qp = max(lengths)
+        slot_t = torch.tensor(slots, device=dev)
+        b = Batch(
+            tokens=torch.tensor([t for p in prompts for t in p], device=dev),
+            slot=torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], device=dev),
+            pos=torch.tensor([i for n in lengths for i in range(n)], device=dev),
+            cell=torch.tensor([r * Qp + i for r, n in enumerate(lengths) for i in range(n)], device=dev),
+            row_slot=slot_t, n_cols=Qp, ctx_len=min(self.L, round_up(Qp, 64)),
+        )
+        last = torch.tensor(list(itertools.accumulate(lengths)), device=dev) - 1
+        logits, _ = self.model(b, logits_at=last)  # [R, V]
+        lens = torch.tensor(lengths, device=dev)
+        first = self.sample(logits, slot_t, lens, sampling)
+        self.lens[slot_t], self.next_tok[slot_t] = lens, first
+        self.n_gen[slot_t] = 0
+        self.active[slot_t] = True
+        # The first token is emitted like any other: through the same commit rule.
+        out = first[:, None].expand(R, self.Q).contiguous()
+        n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens))
+        self.tokens[slot_t, lens] = first
+        self.n_gen[slot_t] = n
+        self.active[slot_t] = finish == 0
+        zero = torch.zeros_like(lens)
+        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, zero)
+
+    def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool) -> Tensor:
+        """The target's own token for each row of logits [N, V] (greedy unless `sampling`)."""
+        if not sampling:
+            return logits.argmax(-1)
+        probs = verify.target_probs(logits, self.temperature[slot], self.top_k[slot], self.top_p[slot])
+        return verify.bonus_tokens(probs, self.seed[slot], pos)
+
+    # -- the decode step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, R: int, budget: int, ctx: int, sampling: bool) -> StepOut:
+        """One decode step over slots [0, R): draft, allocate, pack, verify, accept, commit.
+
+        R, budget (draft tokens verified, batch-wide), ctx (attended cache prefix) and sampling
+        are chosen by the host from what it already knows, so each combination is one static
+        graph; nothing here reads a tensor value on the host."""
+        draft, valid, conf = self.draft(R, ctx)  # [R, K], [R], [R, K]
+        length = price.admit_top(price.survival(conf, valid), budget)  # [R]
+        batch = self.pack(R, draft, length, ctx, budget)
+        logits, _ = self.model(batch)  # [T, V]
+        out, n_out = self.accept(logits, batch, draft, length, sampling)
+        n, finish = self.commit(R, out, n_out)
+        n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
+        source = torch.where(length > 0, SOURCES.index("ngram"), SOURCES.index("target"))
+        return StepOut(out, n, n_draft, source, finish, valid)
+
+    def draft(self, R: int, ctx: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Proposals [R, K], their valid lengths [R] and acceptance estimates [R, K]."""
+        if self.K == 0:
+            empty = torch.zeros(R, 0, device=self.device)
+            return empty.long(), torch.zeros(R, dtype=torch.long, device=self.device), empty
+        hist_len = self.lens[:R] + 1  # the anchor next_tok sits at tokens[lens]
+        draft, valid, _ = self.ngram(self.tokens[:R, :ctx], hist_len)
+        # Room in the cache: the chain and the token after it must fit below L.
+        valid = torch.minimum(valid, (self.L - 2 - self.lens[:R]).clamp(min=0))
+        valid = torch.where(self.active[:R], valid, 0)
+        # Until calibrated estimates exist, every copied token gets the same estimate, so the
+        # budget is spread breadth-first: first tokens of all chains before second tokens.
+        conf = torch.full(draft.shape, 0.9, device=self.device)
+        return draft, valid, conf
+
+    def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
+        """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed
+        into one batch of T = R + budget tokens, padding going to the scratch slot and cell."""
+        Q, T = self.Q, R + budget
+        dev = self.device
+        col = torch.arange(Q, device=dev)[None, :]
+        grid_tok = torch.cat([self.next_tok[:R, None], draft], dim=1)  # [R, Q]
+        grid_pos = self.lens[:R, None] + col  # [R, Q]
+        keep = (self.active[:R, None] & (col <= length[:, None])).flatten()  # [R*Q]
+        dest = torch.where(keep, keep.long().cumsum(0) - 1, T)
+        cell = torch.full((T + 1,), R * Q, dtype=torch.long, device=dev)
+        cell = cell.scatter(0, dest, torch.arange(R * Q, device=dev))[:T]  # [T]
+        real = cell < R * Q
+        safe = cell.clamp(max=R * Q - 1)
+        return Batch(
+            tokens=torch.where(real, grid_tok.flatten()[safe], 0),
+            slot=torch.where(real, safe // Q, self.S),
+            pos=torch.where(real, grid_pos.flatten()[safe], 0),
+            cell=cell, row_slot=torch.arange(R, device=dev), n_cols=Q, ctx_len=ctx,
+        )
+
+    def accept(self, logits: Tensor, b: Batch, draft: Tensor, length: Tensor, sampling: bool) -> tuple[Tensor, Tensor]:
+        """Verify every packed position, then read each row's chain off the grid."""
+        R, Q = length.shape[0], self.Q
+        grid_draft = torch.cat([draft, draft.new_zeros(R, 1)], dim=1)  # [R, Q]: next token's draft
+        safe = b.cell.clamp(max=R * Q - 1)
+        row = safe // Q
+        draft_next = grid_draft.flatten()[safe]  # [T]
+        if sampling:
+            probs = verify.target_probs(logits, self.temperature[row], self.top_k[row], self.top_p[row])
+            ok, alt = verify.accept_tokens(probs, draft_next, None, self.seed[row], b.pos + 1)
+        else:
+            alt = logits.argmax(-1)
+            ok = alt == draft_next
+
+        def to_grid(x: Tensor) -> Tensor:
+            return x.new_zeros(R * Q + 1).index_copy(0, b.cell, x)[:-1].view(R, Q)
+
+        return verify.accept_chains(to_grid(ok), to_grid(alt), grid_draft, length)
+
+    def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Truncate each row's emitted tokens at a stop token, at max_tokens and at the cache's
+        end. Returns the count kept [R] and the finish code [R] (0 running, 1 stop, 2 length)."""
+        Q = out.shape[1]
+        col = torch.arange(Q, device=out.device)[None, :]
+        is_stop = (out[:, :, None] == self.stop_ids[slot][:, None, :]).any(-1) & (col < n_out[:, None])
+        n_stop = torch.where(is_stop.any(-1), is_stop.long().argmax(-1) + 1, Q + 1)
+        limit = torch.minimum(self.max_new[slot] - self.n_gen[slot], self.L - 1 - self.lens[slot])
+        n = torch.minimum(torch.minimum(n_out, limit), n_stop)
+        stopped = n_stop <= n
+        full = (self.n_gen[slot] + n >= self.max_new[slot]) | (self.lens[slot] + n >= self.L - 1)
+        finish = torch.where(stopped, 1, torch.where(full, 2, 0))
+        return n, torch.where(n_out > 0, finish, 0)
+
+    def commit(self, R: int, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the kept tokens to each slot's history, advance lens and the anchor."""
+        Q, L = self.Q, self.L
+        rows = torch.arange(R, device=self.device)
+        n, finish = self.finish_rule(rows, out, n_out)
+        col = torch.arange(Q, device=self.device)[None, :]
+        lens = self.lens[:R]
+        at = torch.where(col < n[:, None], lens[:, None] + 1 + col, L + col)  # [R, Q]
+        self.tokens[:R].scatter_(1, at, out)
+        last = out.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        self.next_tok[:R] = torch.where(n > 0, last, self.next_tok[:R])
+        self.lens[:R] = lens + n
+        self.n_gen[:R] += n
+        self.active[:R] &= finish == 0
+        return n, finish
+
+
+# ----------------------------------------------------------------------------- the user API
+
+
+BUDGETS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class _Request:
+    out: RequestOutput
+    params: SamplingParams
+    seed: int
+    stop_ids: list[int]
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    sent: int = 0  # characters of `out.text` already streamed
+
+    @property
+    def known_len(self) -> int:
+        return len(self.out.prompt_token_ids) + len(self.out.token_ids)
+
+
+class LLM:
+    """A vLLM-style front end: `LLM().generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, spec: str = "off", max_batch_size: int = 8,
+                 max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
+                 seed: int = 0, **engine_kw):
+        check_spec(spec)
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if not isinstance(max_seq_len, int) or max_seq_len < 8:
+            raise ValueError(f"max_seq_len must be an int >= 8, got {max_seq_len!r}")
+        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+            raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        net, path = load_model(model, dtype=torch_dtype, device=device)
+        self._setup(net, Tokenizer.from_path(path), spec, max_batch_size, max_seq_len, seed, engine_kw)
+
+    @classmethod
+    def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
+                   max_seq_len: int = 4096, seed: int = 0, **engine_kw) -> "LLM":
+        """An LLM around an already built model and tokenizer (tests use tiny random models)."""
+        check_spec(spec)
+        self = cls.__new__(cls)
+        self._setup(net, tokenizer, spec, max_batch_size, max_seq_len, seed, engine_kw)
+        return self
+
+    def _setup(self, net, tokenizer, spec, max_batch_size, max_seq_len, seed, engine_kw) -> None:
+        self.tokenizer, self.seed = tokenizer, seed
+        self.engine = Engine(net, spec, max_batch_size, max_seq_len, **engine_kw)
+        self._ids = itertools.count()
+        self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0)}
+        self._slots: list[_Request | None] = [None] * max_batch_size
+
+    # -- public -------------------------------------------------------------------------------
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text, or a list of token ids); outputs in prompt order."""
+        reqs = self._make_requests(prompts, params)
+        for _ in self._run(reqs):
+            pass
+        return [r.out for r in reqs]
+
+    def stream(self, prompts, params=None) -> Iterator[tuple[RequestOutput, str]]:
+        """Like `generate`, but yields (output so far, new text) as tokens are accepted."""
+        yield from self._run(self._make_requests(prompts, params))
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer each conversation (a list of {"role", "content"} messages) with the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+    def stats(self) -> dict[str, float]:
+        """Totals over every finished request: tokens, steps, tokens by source, tokens per step."""
+        t = dict(self._totals)
+        t["tokens_per_step"] = t["tokens"] / max(t["steps"], 1)
+        return t
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _make_requests(self, prompts, params) -> list[_Request]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
+        # Validate everything before anything runs, so one bad request cannot cost the others.
+        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
+        reqs = []
+        for prompt, ids, p in zip(prompts, encoded, params):
+            rid = next(self._ids)
+            seed = p.seed if p.seed is not None else self.seed * 1_000_003 + rid
+            stop_ids = list(dict.fromkeys(p.stop_token_ids + ([] if p.ignore_eos else self.tokenizer.stop_ids)))
+            if len(stop_ids) > MAX_STOP_IDS:
+                raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}")
+            text = prompt if isinstance(prompt, str) else None
+            reqs.append(_Request(RequestOutput(rid, text, ids), p, seed, stop_ids))
+        return reqs
+
+    def _encode(self, i: int, prompt) -> list[int]:
+        L, V = self.engine.L, self.engine.model.args.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; give at least one character or token")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty; give at least one token")
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+        if len(ids) > L - 2:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_seq_len={L} allows "
+                             f"({L - 2}); raise max_seq_len or shorten the prompt")
+        return ids
+
+    # -- the host loop --------------------------------------------------------------------------
+
+    def _run(self, reqs: list[_Request]) -> Iterator[tuple[RequestOutput, str]]:
+        """Continuous batching. The host launches step t, then reads step t-1's tokens, so on a
+        GPU it streams and schedules while the device works; finished slots go to waiting requests."""
+        eng, slots = self.engine, self._slots
+        waiting = deque(reqs)
+        pending = None
+        last_valid = [0] * eng.S
+        while waiting or pending or any(slots):
+            free = [i for i, r in enumerate(slots) if r is None]
+            admitted = []
+            while waiting and free:
+                slot, req = free.pop(0), waiting.popleft()
+                slots[slot] = req
+                eng.set_request(slot, req.out.prompt_token_ids, req.params, req.seed, req.stop_ids)
+                admitted.append(slot)
+            if admitted:
+                out = eng.prefill(admitted, [slots[s].out.prompt_token_ids for s in admitted],
+                                  any(slots[s].params.temperature > 0 for s in admitted))
+                yield from self._absorb(out, [slots[s] for s in admitted], admitted, last_valid, count_step=False)
+            launched = None
+            if any(slots):
+                R = bucket(max(i for i, r in enumerate(slots) if r) + 1, [1, 2, 4, 8, 16, 32, 64, 128, 256, eng.S])
+                R = min(R, eng.S)
+                live = [r for r in slots[:R] if r]
+                ctx = min(eng.L, round_up(max(r.known_len for r in live) + 2 * eng.Q + 1, 256))
+                want = sum(min(v, eng.K) for v, r in zip(last_valid[:R], slots[:R]) if r)
+                budget = min(bucket(want, BUDGETS), eng.draft_budget) if eng.K else 0
+                sampling = any(r.params.temperature > 0 for r in live)
+                launched = (eng.step(R, budget, ctx, sampling), list(slots[:R]), list(range(R)))
+            if pending:
+                yield from self._absorb(*pending, last_valid)
+            pending = launched
+
+    def _absorb(self, out: StepOut, owners: list, rows: list[int], last_valid: list[int],
+                count_step: bool = True) -> Iterator[tuple[RequestOutput, str]]:
+        """Read one step's results on the host and hand them to their requests."""
+        tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
+        source, finish, valid = out.source.tolist(), out.finish.tolist(), out.valid.tolist()
+        for i, (req, slot) in enumerate(zip(owners, rows)):
+            last_valid[slot] = valid[i]
+            if req is None or req.out.finished or n[i] == 0:
+                continue
+            o = req.out
+            o.num_steps += count_step
+            o.accepted[SOURCES[source[i]]] += n_draft[i]
+            o.accepted["target"] += n[i] - n_draft[i]
+            reason = FINISH.get(finish[i])
+            for tok in tokens[i][: n[i]]:
+                if self._append(req, tok):
+                    reason = "stop"
+                    break
+            if reason:
+                self._finish(req, slot, reason)
+            delta = self._flush(req)
+            if delta or reason:
+                yield o, delta
+
+    def _append(self, req: _Request, tok: int) -> bool:
+        """Add one token to a request's output; True when a stop string completed."""
+        o = req.out
+        o.token_ids.append(tok)
+        before = len(o.text)
+        if tok not in self.tokenizer.special_ids:
+            o.text += req.decoder.decode(self.tokenizer.decode_bytes([tok]))
+        for stop in req.params.stop:
+            at = o.text.find(stop, max(0, before - len(stop) + 1))
+            if at >= 0:
+                o.text = o.text[:at]
+                return True
+        return False
+
+    def _flush(self, req: _Request) -> str:
+        """New text that is safe to show: hold back what could still become a stop string."""
+        o = req.out
+        hold = 0 if o.finished else max((len(s) - 1 for s in req.params.stop), default=0)
+        end = max(req.sent, len(o.text) - hold)
+        delta, req.sent = o.text[req.sent:end], end
+        return delta
+
+    def _finish(self, req: _Request, slot: int, reason: str) -> None:
+        o = req.out
+        if reason != "stop" or not req.params.stop:
+            o.text += req.decoder.decode(b"", final=True)
+        o.finish_reason = reason
+        self._slots[slot] = None
+        self.engine.active[slot] = False  # the device may not know yet (stop strings, cancel)
+        t = self._totals
+        t["requests"] += 1
+        t["tokens"] += len(o.token_ids)
+        t["steps"] += o.num_steps
+        for k, v in o.accepted.items():
+            t[k] += v
+
+
+def check_spec(spec: str) -> None:
+    if spec not in SPEC_MODES:
+        raise ValueError(f"unknown spec {spec!r}; choose one of: {', '.join(SPEC_MODES)}")

@@ -1,0 +1,101 @@
+"""Verification of draft chains: greedy and lossless stochastic, as pure tensor functions.
+
+Everything here works on packed verify tokens `[T]` (one per verified position) and on the
+dense grid `[R, Q]` of each slot's chain; nothing imports a model.
+
+Randomness is counter-based: every uniform is a hash of (request seed, position, stream, token
+id). A request's samples therefore do not depend on which slot or batch it ran in, and the
+step needs no generator state, which keeps it one static graph.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ACCEPT_STREAM, SAMPLE_STREAM = 1, 2
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: Tensor) -> Tensor:
+    # A 32-bit avalanche in int64 arithmetic; multipliers < 2**31 so products never overflow.
+    x = x & _M32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: Tensor, pos: Tensor, stream: int, vocab: int | None = None) -> Tensor:
+    """Uniforms in (0, 1): `[T]` or, with `vocab`, `[T, vocab]` (one per token id)."""
+    h = _mix(_mix(_mix(seed) ^ pos) ^ stream)
+    if vocab is not None:
+        h = _mix(h[:, None] ^ torch.arange(vocab, device=h.device)[None, :])
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The distribution every token is verified against: `[T, V]` probabilities after
+    temperature, top-k (0 = off) and top-p (1 = off). Greedy rows (temperature 0) become the
+    argmax point mass, so sampling and verification treat them alike."""
+    V = logits.shape[-1]
+    greedy = temperature <= 0
+    logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    probs_sorted = torch.where(rank < k, sorted_logits, float("-inf")).softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = probs_sorted.cumsum(-1) - probs_sorted
+    probs_sorted = torch.where(mass_before < top_p[:, None], probs_sorted, 0.0)
+    probs = torch.zeros_like(probs_sorted).scatter(-1, order, probs_sorted)
+    probs = probs / probs.sum(-1, keepdim=True)
+    point = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], point, probs)
+
+
+def sample(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row from `probs` [T, V] with uniforms `u` [T, V] (exponential race:
+    argmax p / E with E ~ Exp(1) picks index i with probability p_i)."""
+    return (probs / -torch.log(u)).argmax(-1)
+
+
+def accept_tokens(probs: Tensor, draft: Tensor, draft_q: Tensor | None, seed: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Decide every verify position at once.
+
+    probs [T, V]: the target distribution at each packed position; draft [T]: the drafted token
+    for the *next* position (anything at bonus positions); draft_q [T, V] or None: the draft's
+    distribution there (None = a point mass on `draft`, as for an n-gram copy).
+    Returns accept [T] and alt [T], the token emitted when this position rejects (or is the
+    bonus): a sample from normalise(max(p - q, 0)), which with acceptance min(1, p/q) leaves the
+    emitted token distributed exactly as p. At temperature 0, p is a point mass, so this is
+    'accept while draft == argmax, then the argmax'.
+    """
+    T, V = probs.shape
+    draft = draft.clamp(0, V - 1)
+    q = draft_q if draft_q is not None else torch.zeros_like(probs).scatter(-1, draft[:, None], 1.0)
+    p_x, q_x = probs.gather(-1, draft[:, None])[:, 0], q.gather(-1, draft[:, None])[:, 0]
+    accept = uniform(seed, pos, ACCEPT_STREAM) * q_x < p_x  # u < p/q without dividing by 0
+    residual = (probs - q).clamp(min=0)
+    # p <= q everywhere only when p == q, where acceptance is certain; fall back to p for safety.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+    alt = sample(residual, uniform(seed, pos, SAMPLE_STREAM, V))
+    return accept, alt
+
+
+def bonus_tokens(probs: Tensor, seed: Tensor, pos: Tensor) -> Tensor:
+    """A plain sample from the target (the token after a fully accepted chain, or spec off)."""
+    return sample(probs, uniform(seed, pos, SAMPLE_STREAM, probs.shape[-1]))
+
+
+def accept_chains(accept: Tensor, alt: Tensor, draft: Tensor, length: Tensor) -> tuple[Tensor, Tensor]:
+    """Chain-level result on the grid.
+
+    accept, alt, draft: [R, Q] (column j = the decision for draft token j + 1; draft[:, j] is
+    that token); length [R]: drafted tokens verified per row. Returns out [R, Q], the emitted
+    tokens (accepted drafts, then the target's own token), and n_out [R] = accepted + 1.
+    """
+    Q = accept.shape[1]
+    col = torch.arange(Q, device=accept.device)[None, :]
+    ok = accept & (col < length[:, None])
+    n_acc = ok.long().cumprod(-1).sum(-1)  # [R] leading accepted drafts
+    out = torch.where(col < n_acc[:, None], draft, alt.gather(1, n_acc[:, None]).expand_as(alt))
+    return out, n_acc + 1
