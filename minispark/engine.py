@@ -107,8 +107,8 @@ class Engine:
     """Device state for `S` slots of up to `L` tokens, and the step that advances them."""
 
     def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 16,
-                 ngram: NgramDrafter | None = None, draft_budget: int = 64):
-        self.model, self.spec = model, spec
+                 ngram: NgramDrafter | None = None, draft_budget: int = 64, compile: bool = False):
+        self.model, self.spec = model.requires_grad_(False), spec
         S, L = self.S, self.L = max_batch_size, max_seq_len
         self.ngram = ngram or NgramDrafter(k=ngram_k)
         self.K = self.ngram.k if spec != "off" else 0
@@ -126,6 +126,12 @@ class Engine:
         self.temperature, self.top_p = zeros(S, dtype=torch.float), torch.ones(S, device=dev)
         self.top_k, self.seed = zeros(S), zeros(S)
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
+        self._step = self.decode_step
+        if compile:
+            # One graph per (R, budget, ctx, sampling) bucket; ints stay static, never dynamic.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+            mode = "max-autotune" if self.device.type == "cuda" else None
+            self._step = torch.compile(self.decode_step, fullgraph=True, dynamic=False, mode=mode)
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class Engine:
         self.stop_ids[slot, : len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
         self.tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
         """Run the prompts of newly admitted requests through the target in one packed forward
         and sample each one's first token, which becomes its anchor `next_tok`."""
@@ -177,8 +183,11 @@ class Engine:
 
     # -- the decode step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self, R: int, budget: int, ctx: int, sampling: bool) -> StepOut:
+        return self._step(R, budget, ctx, sampling)
+
+    def decode_step(self, R: int, budget: int, ctx: int, sampling: bool) -> StepOut:
         """One decode step over slots [0, R): draft, allocate, pack, verify, accept, commit.
 
         R, budget (draft tokens verified, batch-wide), ctx (attended cache prefix) and sampling
@@ -379,7 +388,7 @@ class LLM:
         for prompt, ids, p in zip(prompts, encoded, params):
             rid = next(self._ids)
             seed = p.seed if p.seed is not None else self.seed * 1_000_003 + rid
-            stop_ids = list(dict.fromkeys(p.stop_token_ids + ([] if p.ignore_eos else self.tokenizer.stop_ids)))
+            stop_ids = list(dict.fromkeys([*p.stop_token_ids, *([] if p.ignore_eos else self.tokenizer.stop_ids)]))
             if len(stop_ids) > MAX_STOP_IDS:
                 raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}")
             text = prompt if isinstance(prompt, str) else None

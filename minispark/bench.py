@@ -1,0 +1,183 @@
+"""The benchmark harness: modes x workloads x batch sizes, against peers, in one run.
+
+    python -m minispark.bench --modes off,ngram --workloads code,chat --batch 1,4 --peers hf,hf-pld
+
+Every configuration decodes the same prompts with the same weights and dtype; the table gives
+output tokens/s, ratios to a baseline column measured in the same run, and mean tokens per step.
+Peers: `hf` is transformers' `generate` (greedy), `hf-pld` its prompt-lookup decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .engine import LLM, SPEC_MODES, SamplingParams
+from .tokenizer import Tokenizer
+from .weights import build_model, load_gguf, load_hf_folder, default_model
+from .workloads import workload
+
+console = Console(stderr=True)
+
+
+@dataclass
+class Result:
+    system: str
+    workload: str
+    batch: int
+    tokens: int
+    seconds: float
+    steps: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else float("nan")
+
+
+def load_weights(path: str | None):
+    path = Path(path) if path else default_model()
+    args, hf_sd = load_hf_folder(path) if path.is_dir() else load_gguf(path)
+    return path, args, hf_sd
+
+
+def run_minispark(net, tok: Tokenizer, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
+                  temperature: float, max_seq_len: int) -> Result:
+    llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
+    llm.generate(prompts[:1], SamplingParams(temperature=temperature, max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return Result(mode, "", batch, sum(len(o.token_ids) for o in outs), seconds, sum(o.num_steps for o in outs))
+
+
+def hf_model(args, hf_sd, dtype: torch.dtype):
+    """transformers' Llama with exactly the weights minispark loaded."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+        rope_scaling=args.rope_scaling, max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_embeddings, attention_bias=args.qkv_bias,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # meta buffers carry no data
+    return model.to(dtype).eval()
+
+
+def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_ids: tuple[int, ...],
+           prompt_lookup: bool) -> Result:
+    """transformers' generate, `batch` prompts at a time (left-padded), greedy."""
+    kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
+    if prompt_lookup:
+        kw["prompt_lookup_num_tokens"] = 10
+    tokens, seconds = 0, 0.0
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4})  # warm-up
+        for i in range(0, len(prompts), batch):
+            group = prompts[i: i + batch]
+            width = max(map(len, group))
+            ids = torch.tensor([[stop_ids[0]] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, **kw)[:, width:]
+            seconds += time.perf_counter() - start
+            for row in out.tolist():
+                ends = [j for j, t in enumerate(row) if t in stop_ids]
+                tokens += ends[0] + 1 if ends else len(row)
+    return Result("hf-pld" if prompt_lookup else "hf", "", batch, tokens, seconds)
+
+
+def render(results: list[Result], baseline: str) -> str:
+    """A Markdown table: one row per (workload, batch), tokens/s and the ratio to `baseline`."""
+    systems = list(dict.fromkeys(r.system for r in results))
+    cells = {(r.workload, r.batch, r.system): r for r in results}
+    head = ["workload", "batch"] + [f"{s} tok/s" for s in systems] + [f"{s} / {baseline}" for s in systems if s != baseline]
+    head += [f"{s} tok/step" for s in systems if s in SPEC_MODES and s != "off"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w, b in dict.fromkeys((r.workload, r.batch) for r in results):
+        base = cells.get((w, b, baseline))
+        row = [w, str(b)] + [f"{cells[w, b, s].tok_s:.1f}" if (w, b, s) in cells else "" for s in systems]
+        row += [f"{cells[w, b, s].tok_s / base.tok_s:.2f}x" if base and (w, b, s) in cells else ""
+                for s in systems if s != baseline]
+        row += [f"{cells[w, b, s].per_step:.2f}" if (w, b, s) in cells else ""
+                for s in systems if s in SPEC_MODES and s != "off"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="minispark bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
+    ap.add_argument("--modes", default="off,ngram", help=f"comma-separated spec modes: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--peers", default="hf", help="comma-separated peers: hf, hf-pld (or none)")
+    ap.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat")
+    ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
+    ap.add_argument("--n", type=int, default=8, help="prompts per workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: the first mode)")
+    ap.add_argument("--out", default=None, help="write the Markdown table to this file")
+    a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in SPEC_MODES:
+            ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}")
+    peers = [p for p in a.peers.split(",") if p and p != "none"]
+    batches = [int(b) for b in a.batch.split(",")]
+    dtype = getattr(torch, a.dtype)
+
+    path, args, hf_sd = load_weights(a.model)
+    net = build_model(args, hf_sd, dtype, "cpu" if not torch.cuda.is_available() else "cuda")
+    tok = Tokenizer.from_path(path)
+    peer_model = hf_model(args, hf_sd, dtype) if peers else None
+    del hf_sd
+    results = []
+    for w in a.workloads.split(","):
+        prompts = [tok.encode_chat(c) for c in workload(w, a.n)]
+        max_seq_len = max(map(len, prompts)) + a.max_tokens + 64
+        for b in batches:
+            for m in modes:
+                r = run_minispark(net, tok, m, prompts, b, a.max_tokens, a.temperature, max_seq_len)
+                results.append(r)
+                r.workload = w
+                console.print(f"{w:5s} batch {b:3d} {m:8s} {r.tok_s:7.1f} tok/s  {r.per_step:.2f} tok/step")
+            for p in peers:
+                r = run_hf(peer_model, prompts, b, a.max_tokens, tok.stop_ids, p == "hf-pld")
+                r.workload = w
+                results.append(r)
+                console.print(f"{w:5s} batch {b:3d} {p:8s} {r.tok_s:7.1f} tok/s")
+    md = render(results, a.baseline or modes[0])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    header = (f"{path.name}, {a.dtype}, {device}, temperature {a.temperature}, {a.n} prompts x "
+              f"{a.max_tokens} tokens, torch {torch.__version__}")
+    table = Table(title=header)
+    for line in md.splitlines()[:1]:
+        for col in line.strip("|").split("|"):
+            table.add_column(col.strip())
+    for line in md.splitlines()[2:]:
+        table.add_row(*[c.strip() for c in line.strip("|").split("|")])
+    Console().print(table)
+    if a.out:
+        Path(a.out).write_text(f"{header}\n\n{md}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The engine on tiny random models: greedy equality across modes and batch shapes, sampling
+that keeps the target distribution, stop rules, stats, and bad input."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_llm
+from minispark import verify
+from minispark.engine import LLM, SamplingParams
+from minispark.model import Batch
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def reference_greedy(llm: LLM, prompt: list[int], n: int, eos: int | None = None) -> list[int]:
+    """Greedy decoding by full recomputation: one prefill forward per generated token."""
+    model, out, seq = llm.engine.model, [], list(prompt)
+    for _ in range(n):
+        T = len(seq)
+        b = Batch(torch.tensor(seq), torch.zeros(T, dtype=torch.long), torch.arange(T), torch.arange(T),
+                  torch.tensor([0]), T, T)
+        with torch.no_grad():
+            logits, _ = model(b, logits_at=torch.tensor([T - 1]))
+        tok = int(logits.argmax())
+        out.append(tok)
+        seq.append(tok)
+        if tok == eos:
+            break
+    return out
+
+
+def random_prompts(rng: random.Random, n: int, vocab: int) -> list[list[int]]:
+    """Half random, half built from repeated fragments, so the n-gram drafter finds matches."""
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            frag = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 6))]
+            p = (frag * 8)[: rng.randrange(2, 30)]
+        else:
+            p = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))]
+        prompts.append(p)
+    return prompts
+
+
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_greedy_equals_recomputation(spec):
+    llm = tiny_llm(spec, initializer_range=0.3, vocab_size=16, max_batch_size=3)
+    prompts = random_prompts(random.Random(1), 6, 16)
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(llm, p, 24)
+        assert o.finish_reason == "length"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 8), init=st.sampled_from([0.02, 0.1, 0.3]),
+       vocab=st.sampled_from([12, 40]))
+def test_ngram_greedy_equals_off(seed, batch, init, vocab):
+    """Mixed prompt lengths and max_tokens, an EOS, fewer slots than requests: every request of
+    spec="ngram" gets exactly the tokens of spec="off" decoding it alone."""
+    rng = random.Random(seed)
+    prompts = random_prompts(rng, rng.randrange(1, 7), vocab)
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 20)) for _ in prompts]
+    off = tiny_llm("off", seed=seed % 7, eos=2, initializer_range=init, vocab_size=vocab, max_batch_size=1)
+    ngram = tiny_llm("ngram", seed=seed % 7, eos=2, initializer_range=init, vocab_size=vocab, max_batch_size=batch)
+    alone = [off.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    together = ngram.generate(prompts, params)
+    for a, b in zip(alone, together):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+
+
+def test_ngram_accepts_copies_and_counts_sources():
+    llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=32)
+    out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.accepted["ngram"] > len(out.token_ids) // 3  # a model that repeats itself is copied, many tokens a step
+    assert sum(out.accepted.values()) == len(out.token_ids)
+    assert out.num_steps < len(out.token_ids) / 2
+    s = llm.stats()
+    assert s["tokens"] == len(out.token_ids) and s["ngram"] == out.accepted["ngram"]
+
+
+def test_sampling_is_reproducible_across_batch_positions():
+    prompts = random_prompts(random.Random(3), 5, 40)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=100 + i) for i in range(5)]
+    a = tiny_llm("ngram", initializer_range=0.3, vocab_size=40, max_batch_size=4).generate(prompts, params)
+    b = tiny_llm("ngram", initializer_range=0.3, vocab_size=40, max_batch_size=2).generate(prompts[::-1], params[::-1])
+    assert [o.token_ids for o in a] == [o.token_ids for o in b[::-1]]
+    c = tiny_llm("ngram", initializer_range=0.3, vocab_size=40).generate(prompts, [
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=200 + i) for i in range(5)])
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def exact_sequence_probs(llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int, top_p: float):
+    """P(first n generated tokens) for every sequence, by enumeration through the model."""
+    V = llm.engine.model.args.vocab_size
+    seqs = [[]]
+    probs = torch.ones(1, dtype=torch.float64)
+    for _ in range(n):
+        rows = []
+        for s in seqs:
+            full = prompt + s
+            T = len(full)
+            b = Batch(torch.tensor(full), torch.zeros(T, dtype=torch.long), torch.arange(T), torch.arange(T),
+                      torch.tensor([0]), T, T)
+            with torch.no_grad():
+                logits, _ = llm.engine.model(b, logits_at=torch.tensor([T - 1]))
+            rows.append(verify.target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]),
+                                            torch.tensor([top_p]))[0].double())
+        probs = (probs[:, None] * torch.stack(rows)).flatten()
+        seqs = [s + [v] for s in seqs for v in range(V)]
+    return seqs, probs
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (4, 0.8)])
+def test_ngram_sampling_keeps_the_target_distribution(top_k, top_p):
+    """Chi-square over the joint law of three generated tokens: the first from prefill, the next
+    two through n-gram drafts that are sometimes accepted and sometimes rejected."""
+    V, n, draws = 6, 3, 6000
+    llm = tiny_llm("ngram", seed=5, initializer_range=0.25, vocab_size=V, max_batch_size=64)
+    llm.engine.ngram.n_min = 1  # a short alphabet: match on one token so drafts exist every step
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    seqs, p = exact_sequence_probs(llm, prompt, n, 1.0, top_k, top_p)
+    params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, max_tokens=n, seed=i) for i in range(draws)]
+    outs = llm.generate([prompt] * draws, params)
+    assert llm.stats()["ngram"] > draws * 0.2  # the test exercises accepted drafts
+    index = {tuple(s): i for i, s in enumerate(seqs)}
+    counts = torch.zeros(len(seqs), dtype=torch.float64)
+    for o in outs:
+        counts[index[tuple(o.token_ids)]] += 1
+    expected = p * draws
+    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives probability 0"
+    # Pool rare cells so the chi-square approximation holds.
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    chi2 = (((obs - exp) ** 2) / exp)[keep].sum().item()
+    dof = int(keep.sum()) - 1
+    # Wilson-Hilferty: the 0.999 quantile of chi-square(dof).
+    z = 3.09
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, f"chi2={chi2:.1f} over {dof} dof exceeds {crit:.1f}"
+
+
+def test_stop_rules():
+    llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=128)
+    prompt = [104, 105, 106, 107] * 3  # bytes "hijk" repeated; the model then repeats one byte
+    free = llm.generate([prompt], GREEDY)[0]
+    target = free.token_ids[3]
+    by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target]))[0]
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+    assert by_id.finish_reason == "stop"
+    text = free.text
+    stop = text[5:7]
+    by_str = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=stop))[0]
+    assert by_str.finish_reason == "stop" and by_str.text == text[: text.index(stop)]
+    one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
+
+
+def test_eos_as_first_token_and_cache_end():
+    llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=64, max_seq_len=40)
+    prompt = [7, 8, 9] * 3
+    first = llm.generate([prompt], GREEDY)[0].token_ids[0]
+    eos_llm = tiny_llm("ngram", eos=first, initializer_range=0.02, vocab_size=64, max_seq_len=40)
+    out = eos_llm.generate([prompt, [3, 4]], SamplingParams(temperature=0, max_tokens=60))
+    assert out[0].token_ids == [first] and out[0].finish_reason == "stop"
+    long = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100))[0]
+    assert long.finish_reason == "length" and len(prompt) + len(long.token_ids) == 40 - 1
+
+
+def test_stream_deltas_add_up_to_text():
+    llm = tiny_llm("ngram", initializer_range=0.3, vocab_size=128)
+    prompts = [[104, 101, 108, 108, 111] * 3, [97, 98]]
+    params = SamplingParams(temperature=0, max_tokens=20, stop="zz")
+    pieces: dict[int, str] = {}
+    finals = {}
+    for out, delta in llm.stream(prompts, params):
+        pieces[out.request_id] = pieces.get(out.request_id, "") + delta
+        finals[out.request_id] = out
+    assert all(out.finished for out in finals.values())
+    assert all(pieces[rid] == out.text for rid, out in finals.items())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ("", "empty"),
+    ([], "empty"),
+    ([1, 999], "outside the vocabulary"),
+    ([1] * 300, "max_seq_len"),
+    (3.5, "string or a list"),
+])
+def test_bad_prompts_are_rejected_before_anything_runs(prompt, match):
+    llm = tiny_llm("ngram")
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2, 3], prompt], GREEDY)
+    assert llm.stats()["requests"] == 0
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].finish_reason == "length"  # the engine still serves
+
+
+def test_unknown_spec():
+    with pytest.raises(ValueError, match="unknown spec"):
+        tiny_llm("nonsense")
