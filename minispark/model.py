@@ -176,19 +176,22 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """Logits `[N, V]` of the packed tokens `logits_at` (all `T` when None) and, when asked,
         the outputs of `hidden_layers` (0-based) for every token, `[T, len(hidden_layers), dim]`."""
+        if any(not 0 <= i < len(self.layers) for i in hidden_layers):
+            raise ValueError(f"hidden_layers={hidden_layers} out of range for {len(self.layers)} layers")
         freqs = b.pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
         mask = self.attention_mask(b)
         x = self.tok_embeddings(b.tokens)  # [T, dim]
-        hidden = []
+        hidden = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, b, cos, sin, mask)
             if i in hidden_layers:
-                hidden.append(x)
+                hidden[i] = x
         if logits_at is not None:
             x = x[logits_at]
         logits = self.output(self.norm(x)).float()
-        return logits, (torch.stack(hidden, dim=1) if hidden_layers else None)
+        # in the order asked for, repeats included: a drafter concatenates these features
+        return logits, (torch.stack([hidden[i] for i in hidden_layers], dim=1) if hidden_layers else None)
 
     @staticmethod
     def attention_mask(b: Batch) -> Tensor:
