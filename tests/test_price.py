@@ -1,0 +1,138 @@
+"""price.py: survival and top-B admission, against brute force on small cases."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from minispark.price import admit_top, survival
+
+# A few exact values so that ties (and zeros, and ones) are common.
+CONF = st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0]) | st.floats(0.0, 1.0)
+
+
+# -- survival -------------------------------------------------------------------------------
+
+def test_survival_hand_made():
+    conf = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.2, 1.0], [0.9, 0.9, 0.9]])
+    a = survival(conf, torch.tensor([3, 2, 0]))
+    torch.testing.assert_close(a, torch.tensor([[0.5, 0.25, 0.125], [1.0, 0.2, 0.0], [0.0, 0.0, 0.0]]))
+    # Out-of-range estimates are clamped, so survival stays in [0, 1] and never increases.
+    a = survival(torch.tensor([[1.5, -0.2, 0.5], [2.0, 3.0, 0.5]]), torch.tensor([3, 3]))
+    torch.testing.assert_close(a, torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.5]]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_survival_properties(data):
+    R, K = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 8))
+    wide = st.floats(-2.0, 3.0, allow_nan=False) | CONF
+    conf = torch.tensor([[data.draw(wide) for _ in range(K)] for _ in range(R)])
+    valid = torch.tensor([data.draw(st.integers(0, K + 2)) for _ in range(R)])
+    a = survival(conf, valid)
+    assert a.shape == (R, K)
+    assert ((a >= 0) & (a <= 1)).all()
+    assert (a[:, 1:] <= a[:, :-1]).all()  # non-increasing along each chain
+    for r in range(R):
+        prod = 1.0
+        for j in range(K):
+            prod *= min(max(conf[r, j].item(), 0.0), 1.0)
+            want = prod if j < valid[r] else 0.0
+            assert abs(a[r, j].item() - want) <= 1e-6
+
+
+# -- admit_top ------------------------------------------------------------------------------
+
+def brute_force(a: torch.Tensor, budget: int) -> float:
+    R, K = a.shape
+    best = 0.0
+    for lengths in itertools.product(range(K + 1), repeat=R):
+        if sum(lengths) <= budget:
+            best = max(best, sum(a[r, :l].sum().item() for r, l in enumerate(lengths)))
+    return best
+
+
+def check_admission(a: torch.Tensor, budget: int) -> torch.Tensor:
+    R, K = a.shape
+    lengths = admit_top(a, budget)
+    assert lengths.shape == (R,) and lengths.dtype == torch.long
+    assert ((lengths >= 0) & (lengths <= K)).all()
+    positive = int((a > 0).sum())
+    assert int(lengths.sum()) == min(max(budget, 0), positive)
+    for r in range(R):  # zero survival is never admitted (a prefix ends at the last positive)
+        l = int(lengths[r])
+        assert l == 0 or a[r, l - 1] > 0
+    got = sum(a[r, :l].sum().item() for r, l in enumerate(lengths.tolist()))
+    assert abs(got - brute_force(a, budget)) <= 1e-5
+    # Ties go to the earlier position (then the lower row): the admitted set is exactly the
+    # first `budget` positive pairs in the order (value desc, position, row).
+    order = sorted(((-a[r, j].item(), j, r) for r in range(R) for j in range(K) if a[r, j] > 0))
+    want = torch.zeros(R, dtype=torch.long)
+    for _, j, r in order[:max(budget, 0)]:
+        want[r] += 1
+    assert torch.equal(lengths, want)
+    return lengths
+
+
+@st.composite
+def small_survival(draw):
+    R, K = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    conf = torch.tensor([[draw(CONF) for _ in range(K)] for _ in range(R)])
+    valid = torch.tensor([draw(st.integers(0, K)) for _ in range(R)])
+    return survival(conf, valid), draw(st.integers(0, R * K + 2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_survival())
+def test_admit_top_is_optimal(case):
+    a, budget = case
+    check_admission(a, budget)
+
+
+def test_ties_spread_breadth_first():
+    a = torch.full((3, 4), 0.9)
+    assert admit_top(a, 5).tolist() == [2, 2, 1]
+    assert admit_top(a, 3).tolist() == [1, 1, 1]
+    assert admit_top(a, 12).tolist() == [4, 4, 4]
+    assert admit_top(a, 100).tolist() == [4, 4, 4]
+    a = survival(torch.full((3, 4), 0.9), torch.tensor([4, 1, 4]))
+    assert admit_top(a, 5).tolist() == [2, 1, 2]
+
+
+def test_budget_zero_and_zero_survival():
+    a = torch.tensor([[0.9, 0.5, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    assert admit_top(a, 0).tolist() == [0, 0, 0]
+    assert admit_top(a, -3).tolist() == [0, 0, 0]
+    assert admit_top(a, 3).tolist() == [0, 0, 3]  # 1.0 beats 0.9
+    assert admit_top(a, 4).tolist() == [1, 0, 3]
+    assert admit_top(a, 9).tolist() == [2, 0, 3]  # zeros are never admitted
+    assert admit_top(torch.zeros(2, 5), 4).tolist() == [0, 0]
+
+
+def test_highest_survival_first():
+    a = torch.tensor([[0.9, 0.2, 0.1], [0.8, 0.7, 0.6]])
+    assert admit_top(a, 1).tolist() == [1, 0]
+    assert admit_top(a, 3).tolist() == [1, 2]
+    assert admit_top(a, 4).tolist() == [1, 3]
+    assert admit_top(a, 5).tolist() == [2, 3]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_admission_of_slot_j_ignores_later_slots_of_its_chain(data):
+    # Losslessness: whether (r, j) is admitted may depend on its own chain's values up to j
+    # only. Changing conf[r, j+1:] (survival stays non-increasing) must not change it.
+    R, K = data.draw(st.integers(1, 4)), data.draw(st.integers(2, 6))
+    conf = torch.tensor([[data.draw(CONF) for _ in range(K)] for _ in range(R)])
+    valid = torch.tensor([data.draw(st.integers(0, K)) for _ in range(R)])
+    budget = data.draw(st.integers(0, R * K))
+    r, j = data.draw(st.integers(0, R - 1)), data.draw(st.integers(0, K - 2))
+    conf2 = conf.clone()
+    conf2[r, j + 1:] = torch.tensor([data.draw(CONF) for _ in range(K - j - 1)])
+    valid2 = valid.clone()
+    if valid[r] > j + 1:  # a later token may also stop existing or appear
+        valid2[r] = data.draw(st.integers(j + 1, K))
+    l1 = admit_top(survival(conf, valid), budget)[r]
+    l2 = admit_top(survival(conf2, valid2), budget)[r]
+    assert min(int(l1), j + 1) == min(int(l2), j + 1)  # slots 0..j: same decisions
