@@ -9,7 +9,7 @@ import codecs
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -87,6 +87,13 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class Delta(NamedTuple):
+    """A piece of streamed text and the drafter whose accepted tokens produced it."""
+    output: RequestOutput
+    text: str
+    source: str  # "ngram" | "spark" | "target"
 
 
 @dataclass
@@ -172,7 +179,8 @@ class Engine:
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
         zero = torch.zeros_like(lens)
-        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, zero)
+        # No drafts have been tried yet: tell the host to budget for full chains at first.
+        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, zero + self.K)
 
     def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool) -> Tensor:
         """The target's own token for each row of logits [N, V] (greedy unless `sampling`)."""
@@ -353,8 +361,8 @@ class LLM:
             pass
         return [r.out for r in reqs]
 
-    def stream(self, prompts, params=None) -> Iterator[tuple[RequestOutput, str]]:
-        """Like `generate`, but yields (output so far, new text) as tokens are accepted."""
+    def stream(self, prompts, params=None) -> Iterator[Delta]:
+        """Like `generate`, but yields each request's new text as its tokens are accepted."""
         yield from self._run(self._make_requests(prompts, params))
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
@@ -417,7 +425,7 @@ class LLM:
 
     # -- the host loop --------------------------------------------------------------------------
 
-    def _run(self, reqs: list[_Request]) -> Iterator[tuple[RequestOutput, str]]:
+    def _run(self, reqs: list[_Request]) -> Iterator[Delta]:
         """Continuous batching. The host launches step t, then reads step t-1's tokens, so on a
         GPU it streams and schedules while the device works; finished slots go to waiting requests."""
         eng, slots = self.engine, self._slots
@@ -451,7 +459,7 @@ class LLM:
             pending = launched
 
     def _absorb(self, out: StepOut, owners: list, rows: list[int], last_valid: list[int],
-                count_step: bool = True) -> Iterator[tuple[RequestOutput, str]]:
+                count_step: bool = True) -> Iterator[Delta]:
         """Read one step's results on the host and hand them to their requests."""
         tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
         source, finish, valid = out.source.tolist(), out.finish.tolist(), out.valid.tolist()
@@ -464,15 +472,15 @@ class LLM:
             o.accepted[SOURCES[source[i]]] += n_draft[i]
             o.accepted["target"] += n[i] - n_draft[i]
             reason = FINISH.get(finish[i])
-            for tok in tokens[i][: n[i]]:
-                if self._append(req, tok):
-                    reason = "stop"
+            for j, tok in enumerate(tokens[i][: n[i]]):
+                stopped = self._append(req, tok)
+                if stopped or (reason and j == n[i] - 1):
+                    self._finish(req, slot, "stop" if stopped else reason)
+                delta = self._flush(req)
+                if delta or o.finished:
+                    yield Delta(o, delta, SOURCES[source[i]] if j < n_draft[i] else "target")
+                if stopped:
                     break
-            if reason:
-                self._finish(req, slot, reason)
-            delta = self._flush(req)
-            if delta or reason:
-                yield o, delta
 
     def _append(self, req: _Request, tok: int) -> bool:
         """Add one token to a request's output; True when a stop string completed."""
