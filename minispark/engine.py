@@ -428,6 +428,17 @@ class LLM:
     def _run(self, reqs: list[_Request]) -> Iterator[Delta]:
         """Continuous batching. The host launches step t, then reads step t-1's tokens, so on a
         GPU it streams and schedules while the device works; finished slots go to waiting requests."""
+        try:
+            yield from self._schedule(reqs)
+        finally:  # the caller stopped early (Ctrl-C, break): free the slots of what is left
+            for slot, req in enumerate(self._slots):
+                if req is not None and req in reqs:
+                    self._finish(req, slot, "cancelled")
+            for req in reqs:
+                if not req.out.finished:
+                    req.out.finish_reason = "cancelled"
+
+    def _schedule(self, reqs: list[_Request]) -> Iterator[Delta]:
         eng, slots = self.engine, self._slots
         waiting = deque(reqs)
         pending = None

@@ -220,3 +220,14 @@ def test_bad_prompts_are_rejected_before_anything_runs(prompt, match):
 def test_unknown_spec():
     with pytest.raises(ValueError, match="unknown spec"):
         tiny_llm("nonsense")
+
+
+def test_a_stream_stopped_early_frees_its_slots():
+    llm = tiny_llm("ngram", initializer_range=0.3, vocab_size=128, max_batch_size=2)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    expected = llm.generate([[100, 101, 102]], params)[0].token_ids
+    stream = llm.stream([[104, 105], [106, 107], [108, 109]], params)
+    first = next(stream)
+    stream.close()
+    assert first.output.finish_reason == "cancelled"
+    assert llm.generate([[100, 101, 102]], params)[0].token_ids == expected  # nothing left running
