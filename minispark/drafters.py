@@ -15,12 +15,12 @@ class NgramDrafter:
     """Longest-suffix lookup in each slot's own history (prompt + output so far).
 
     For n from n_max down to n_min, the last n tokens are compared with every earlier window;
-    the longest match wins; among equals, the most recent occurrence with K tokens after it
-    (else the earliest); up to K tokens that followed it are proposed (fewer where history ends).
+    the longest match wins, the earliest occurrence among equals; up to K tokens that
+    followed it are proposed (fewer where the history ends).
     """
-    n_min: int = 2
+    n_min: int = 1
     n_max: int = 8
-    k: int = 16
+    k: int = 32
 
     def __call__(self, tokens: Tensor, hist_len: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """tokens [R, C] (history in [0, hist_len), the rest ignored); hist_len [R].
@@ -40,15 +40,13 @@ class NgramDrafter:
             # (its continuation may run into the suffix itself: overlapping repeats copy fine).
             hit = (windows == suffix[:, None, :]).all(-1) & (start + n < hist_len[:, None])
             hit &= (hist_len >= n + 1)[:, None]
-            # Prefer the most recent occurrence that still has K tokens after it; failing that,
-            # the earliest (longest continuation): in a run like "x x x x" the most recent
-            # occurrence would propose a single token.
-            full = start + n + self.k <= hist_len[:, None]
-            key = torch.where(full, C + start, C - start)
-            best = torch.where(hit, key, -1).max(-1)
-            last = torch.where(best.values >= 0, best.indices, -1)  # [R] chosen window, -1 if none
-            take = (best_n == 0) & (last >= 0)
-            best_start = torch.where(take, last + n, best_start)
+            # The earliest occurrence: in code edits it is the prompt's copy of the text, and in
+            # a run like "x x x x" it has the longest continuation (measured: more accepted
+            # tokens per step than the most recent occurrence on the code-edit set).
+            first = torch.where(hit, start, C).amin(-1)
+            found = torch.where(first < C, first, -1)  # [R] chosen window, -1 if none
+            take = (best_n == 0) & (found >= 0)
+            best_start = torch.where(take, found + n, best_start)
             best_n = torch.where(take, n, best_n)
         at = best_start[:, None] + torch.arange(self.k, device=dev)  # [R, K]
         draft = tokens.gather(1, at.clamp(max=C - 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Sequence
@@ -99,12 +100,12 @@ class Delta(NamedTuple):
 @dataclass
 class StepOut:
     """What one step tells the host, for rows [0, R). Small tensors, copied without blocking."""
-    tokens: Tensor  # [R, Q] emitted tokens (first n valid)
+    tokens: Tensor  # [R, W + 1] emitted tokens (first n valid)
     n: Tensor  # [R] emitted count (0 for inactive rows)
     n_draft: Tensor  # [R] of those, drafted tokens accepted
     source: Tensor  # [R] index into SOURCES of the verified chain
     finish: Tensor  # [R] 0 running, 1 stop, 2 length
-    valid: Tensor  # [R] drafted tokens available this step (the host's budget estimate)
+    survival: Tensor  # [R, K] updated survival estimates: the host's budget for the next step
 
 
 # ----------------------------------------------------------------------------- the device engine
@@ -113,29 +114,30 @@ class StepOut:
 class Engine:
     """Device state for `S` slots of up to `L` tokens, and the step that advances them."""
 
-    def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 16,
+    def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 32,
                  ngram: NgramDrafter | None = None, draft_budget: int = 64, compile: bool = False):
         self.model, self.spec = model.requires_grad_(False), spec
         S, L = self.S, self.L = max_batch_size, max_seq_len
         self.ngram = ngram or NgramDrafter(k=ngram_k)
         self.K = self.ngram.k if spec != "off" else 0
-        self.Q = self.K + 1
-        self.draft_budget = draft_budget
+        self.draft_budget = draft_budget if self.K else 0
         dev = self.device = model.tok_embeddings.weight.device
         model.setup_cache(S, L)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
-        self.tokens = zeros(S, L + self.Q)  # columns past L take writes that are discarded
+        self.tokens = zeros(S, L + self.K + 1)  # columns past L take writes that are discarded
         self.lens, self.next_tok, self.n_gen, self.max_new = zeros(S), zeros(S), zeros(S), zeros(S)
         self.active = zeros(S, dtype=torch.bool)
         self.temperature, self.top_p = zeros(S, dtype=torch.float), torch.ones(S, device=dev)
         self.top_k, self.seed = zeros(S), zeros(S)
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
+        # Decayed counts of accepted and rejected n-gram tokens per slot: its acceptance estimate.
+        self.ng_acc, self.ng_rej = zeros(S, dtype=torch.float), zeros(S, dtype=torch.float)
         self._step = self.decode_step
         if compile:
-            # One graph per (R, budget, ctx, sampling) bucket; ints stay static, never dynamic.
+            # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
             mode = "max-autotune" if self.device.type == "cuda" else None
             self._step = torch.compile(self.decode_step, fullgraph=True, dynamic=False, mode=mode)
@@ -149,6 +151,7 @@ class Engine:
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
         self.tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.ng_acc[slot], self.ng_rej[slot] = 0.0, 0.0
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
@@ -171,16 +174,15 @@ class Engine:
         first = self.sample(logits, slot_t, lens, sampling)
         self.lens[slot_t], self.next_tok[slot_t] = lens, first
         self.n_gen[slot_t] = 0
-        self.active[slot_t] = True
         # The first token is emitted like any other: through the same commit rule.
-        out = first[:, None].expand(R, self.Q).contiguous()
+        out = first[:, None]
         n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens))
         self.tokens[slot_t, lens] = first
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
         zero = torch.zeros_like(lens)
-        # No drafts have been tried yet: tell the host to budget for full chains at first.
-        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, zero + self.K)
+        prior = self.survival(slot_t, torch.full_like(lens, self.K))
+        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, prior)
 
     def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool) -> Tensor:
         """The target's own token for each row of logits [N, V] (greedy unless `sampling`)."""
@@ -192,27 +194,29 @@ class Engine:
     # -- the decode step ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, R: int, budget: int, ctx: int, sampling: bool) -> StepOut:
-        return self._step(R, budget, ctx, sampling)
+    def step(self, R: int, budget: int, width: int, ctx: int, sampling: bool) -> StepOut:
+        width = min(width, self.K, budget)  # no chain is longer than the budget
+        return self._step(R, budget if width else 0, width, ctx, sampling)
 
-    def decode_step(self, R: int, budget: int, ctx: int, sampling: bool) -> StepOut:
+    def decode_step(self, R: int, budget: int, width: int, ctx: int, sampling: bool) -> StepOut:
         """One decode step over slots [0, R): draft, allocate, pack, verify, accept, commit.
 
-        R, budget (draft tokens verified, batch-wide), ctx (attended cache prefix) and sampling
-        are chosen by the host from what it already knows, so each combination is one static
-        graph; nothing here reads a tensor value on the host."""
-        draft, valid, conf = self.draft(R, ctx)  # [R, K], [R], [R, K]
-        length = price.admit_top(price.survival(conf, valid), budget)  # [R]
-        batch = self.pack(R, draft, length, ctx, budget)
+        R, budget (draft tokens verified, batch-wide), width (the longest chain), ctx (attended
+        cache prefix) and sampling are chosen by the host from what it already knows, so each
+        combination is one static graph; nothing here reads a tensor value on the host."""
+        draft, valid, a = self.draft(R, ctx)  # [R, K], [R], [R, K]
+        length = price.admit_top(a[:, :width], budget)  # [R], at most `width` each
+        batch = self.pack(R, draft[:, :width], length, ctx, budget)
         logits, _ = self.model(batch)  # [T, V]
-        out, n_out = self.accept(logits, batch, draft, length, sampling)
+        out, n_out = self.accept(logits, batch, draft[:, :width], length, sampling)
         n, finish = self.commit(R, out, n_out)
+        self.learn(R, length, n_out - 1)
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
         source = torch.where(length > 0, SOURCES.index("ngram"), SOURCES.index("target"))
-        return StepOut(out, n, n_draft, source, finish, valid)
+        return StepOut(out, n, n_draft, source, finish, self.survival(slice(0, R), valid))
 
     def draft(self, R: int, ctx: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Proposals [R, K], their valid lengths [R] and acceptance estimates [R, K]."""
+        """Proposals [R, K], their valid lengths [R] and survival estimates [R, K]."""
         if self.K == 0:
             empty = torch.zeros(R, 0, device=self.device)
             return empty.long(), torch.zeros(R, dtype=torch.long, device=self.device), empty
@@ -221,15 +225,24 @@ class Engine:
         # Room in the cache: the chain and the token after it must fit below L.
         valid = torch.minimum(valid, (self.L - 2 - self.lens[:R]).clamp(min=0))
         valid = torch.where(self.active[:R], valid, 0)
-        # Until calibrated estimates exist, every copied token gets the same estimate, so the
-        # budget is spread breadth-first: first tokens of all chains before second tokens.
-        conf = torch.full(draft.shape, 0.9, device=self.device)
-        return draft, valid, conf
+        return draft, valid, self.survival(slice(0, R), valid)
+
+    def survival(self, slots: Tensor | slice, valid: Tensor) -> Tensor:
+        """a [R, K]: each copied token is accepted with the slot's estimated rate c, so
+        a_j = c^j (until calibrated per-position estimates exist). c reads only past steps."""
+        c = (self.ng_acc[slots] + 1) / (self.ng_acc[slots] + self.ng_rej[slots] + 2)  # [R]
+        return price.survival(c[:, None].expand(-1, self.K), valid)
+
+    def learn(self, R: int, length: Tensor, accepted: Tensor, decay: float = 0.7) -> None:
+        """Fold this step's n-gram outcome into each slot's acceptance estimate."""
+        tried = length > 0
+        self.ng_acc[:R] = torch.where(tried, decay * self.ng_acc[:R] + accepted, self.ng_acc[:R])
+        self.ng_rej[:R] = torch.where(tried, decay * self.ng_rej[:R] + (accepted < length).float(), self.ng_rej[:R])
 
     def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
         """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed
         into one batch of T = R + budget tokens, padding going to the scratch slot and cell."""
-        Q, T = self.Q, R + budget
+        Q, T = draft.shape[1] + 1, R + budget
         dev = self.device
         col = torch.arange(Q, device=dev)[None, :]
         grid_tok = torch.cat([self.next_tok[:R, None], draft], dim=1)  # [R, Q]
@@ -244,19 +257,19 @@ class Engine:
             tokens=torch.where(real, grid_tok.flatten()[safe], 0),
             slot=torch.where(real, safe // Q, self.S),
             pos=torch.where(real, grid_pos.flatten()[safe], 0),
-            cell=cell, row_slot=torch.arange(R, device=dev), n_cols=Q, ctx_len=ctx,
+            cell=cell, row_slot=slice(0, R), n_cols=Q, ctx_len=ctx,
         )
 
     def accept(self, logits: Tensor, b: Batch, draft: Tensor, length: Tensor, sampling: bool) -> tuple[Tensor, Tensor]:
         """Verify every packed position, then read each row's chain off the grid."""
-        R, Q = length.shape[0], self.Q
+        R, Q = draft.shape[0], draft.shape[1] + 1
         grid_draft = torch.cat([draft, draft.new_zeros(R, 1)], dim=1)  # [R, Q]: next token's draft
         safe = b.cell.clamp(max=R * Q - 1)
         row = safe // Q
         draft_next = grid_draft.flatten()[safe]  # [T]
         if sampling:
             probs = verify.target_probs(logits, self.temperature[row], self.top_k[row], self.top_p[row])
-            ok, alt = verify.accept_tokens(probs, draft_next, None, self.seed[row], b.pos + 1)
+            ok, alt = verify.accept_copies(probs, draft_next, self.seed[row], b.pos + 1)
         else:
             alt = logits.argmax(-1)
             ok = alt == draft_next
@@ -265,6 +278,28 @@ class Engine:
             return x.new_zeros(R * Q + 1).index_copy(0, b.cell, x)[:-1].view(R, Q)
 
         return verify.accept_chains(to_grid(ok), to_grid(alt), grid_draft, length)
+
+    @torch.no_grad()
+    def profile(self, budgets: Sequence[int], repeats: int = 3) -> price.CostModel:
+        """Time whole steps with every slot idle (all tokens padding) for each budget: the cost
+        table the host budgets with. Idle slots change no state but the scratch row."""
+        active = self.active.clone()
+        self.active.zero_()
+        times = []
+        try:
+            for B in budgets:
+                width = min(self.K, B)
+                self.step(1, B, width, min(self.L, 256), False)  # warm-up
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    out = self.step(1, B, width, min(self.L, 256), False)
+                    out.n.cpu()  # wait for the device
+                    best = min(best, time.perf_counter() - start)
+                times.append(best)
+        finally:
+            self.active.copy_(active)
+        return price.CostModel([1 + B for B in budgets], times)
 
     def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
         """Truncate each row's emitted tokens at a stop token, at max_tokens and at the cache's
@@ -282,7 +317,7 @@ class Engine:
 
     def commit(self, R: int, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
         """Append the kept tokens to each slot's history, advance lens and the anchor."""
-        Q, L = self.Q, self.L
+        Q, L = out.shape[1], self.L
         rows = torch.arange(R, device=self.device)
         n, finish = self.finish_rule(rows, out, n_out)
         col = torch.arange(Q, device=self.device)[None, :]
@@ -300,7 +335,9 @@ class Engine:
 # ----------------------------------------------------------------------------- the user API
 
 
-BUDGETS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
@@ -346,7 +383,10 @@ class LLM:
 
     def _setup(self, net, tokenizer, spec, max_batch_size, max_seq_len, seed, engine_kw) -> None:
         self.tokenizer, self.seed = tokenizer, seed
+        cost = engine_kw.pop("cost", None)
         self.engine = Engine(net, spec, max_batch_size, max_seq_len, **engine_kw)
+        self._budgets = [b for b in BUDGETS if b <= self.engine.draft_budget]
+        self.cost = cost or (self.engine.profile(self._budgets) if self.engine.K else None)
         self._ids = itertools.count()
         self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0)}
         self._slots: list[_Request | None] = [None] * max_batch_size
@@ -442,7 +482,7 @@ class LLM:
         eng, slots = self.engine, self._slots
         waiting = deque(reqs)
         pending = None
-        last_valid = [0] * eng.S
+        survival: list[list[float]] = [[] for _ in range(eng.S)]  # per slot, a step or two old
         while waiting or pending or any(slots):
             free = [i for i, r in enumerate(slots) if r is None]
             admitted = []
@@ -454,28 +494,40 @@ class LLM:
             if admitted:
                 out = eng.prefill(admitted, [slots[s].out.prompt_token_ids for s in admitted],
                                   any(slots[s].params.temperature > 0 for s in admitted))
-                yield from self._absorb(out, [slots[s] for s in admitted], admitted, last_valid, count_step=False)
+                yield from self._absorb(out, [slots[s] for s in admitted], admitted, survival, count_step=False)
             launched = None
             if any(slots):
-                R = bucket(max(i for i, r in enumerate(slots) if r) + 1, [1, 2, 4, 8, 16, 32, 64, 128, 256, eng.S])
-                R = min(R, eng.S)
-                live = [r for r in slots[:R] if r]
-                ctx = min(eng.L, round_up(max(r.known_len for r in live) + 2 * eng.Q + 1, 256))
-                want = sum(min(v, eng.K) for v, r in zip(last_valid[:R], slots[:R]) if r)
-                budget = min(bucket(want, BUDGETS), eng.draft_budget) if eng.K else 0
-                sampling = any(r.params.temperature > 0 for r in live)
-                launched = (eng.step(R, budget, ctx, sampling), list(slots[:R]), list(range(R)))
+                R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
+                launched = (eng.step(R, *self._plan(R, survival), any(r.params.temperature > 0 for r in slots[:R] if r)),
+                            list(slots[:R]), list(range(R)))
             if pending:
-                yield from self._absorb(*pending, last_valid)
+                yield from self._absorb(*pending, survival)
             pending = launched
 
-    def _absorb(self, out: StepOut, owners: list, rows: list[int], last_valid: list[int],
+    def _plan(self, R: int, survival: list[list[float]]) -> tuple[int, int, int]:
+        """Static sizes of the next step from what the host knows: the draft budget (DSpark's
+        adaptive verification over estimates a step or two old), the longest chain, and the
+        attended cache prefix."""
+        eng = self.engine
+        live = [r for r in self._slots[:R] if r]
+        budget = width = 0
+        if eng.K:
+            a = sorted((x for i, r in enumerate(self._slots[:R]) if r for x in survival[i]), reverse=True)
+            budget = price.best_budget(R, len(live), a, self._budgets, self.cost)
+            # The query grid is R x (width + 1): cap chains at twice a fair share of the budget
+            # so that attention does not grow as R x budget.
+            width = min(eng.K, bucket(min(budget, max(8, 2 * budget // len(live))), WIDTHS))
+        # Positions reach at most what the host knows + two steps of (width + 1) tokens.
+        ctx = min(eng.L, round_up(max(r.known_len for r in live) + 2 * (eng.K + 1) + 1, 256))
+        return budget, width, ctx
+
+    def _absorb(self, out: StepOut, owners: list, rows: list[int], survival: list[list[float]],
                 count_step: bool = True) -> Iterator[Delta]:
         """Read one step's results on the host and hand them to their requests."""
         tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
-        source, finish, valid = out.source.tolist(), out.finish.tolist(), out.valid.tolist()
+        source, finish, a = out.source.tolist(), out.finish.tolist(), out.survival.tolist()
         for i, (req, slot) in enumerate(zip(owners, rows)):
-            last_valid[slot] = valid[i]
+            survival[slot] = a[i]
             if req is None or req.out.finished or n[i] == 0:
                 continue
             o = req.out

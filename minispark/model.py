@@ -50,9 +50,13 @@ class Batch:
     slot: Tensor  # [T] cache row written
     pos: Tensor  # [T] position written and attended up to
     cell: Tensor  # [T] flat index into the query grid [R * Q + 1]
-    row_slot: Tensor  # [R] cache row each grid row attends to
+    row_slot: Tensor | slice  # [R] cache row each grid row attends to; slice(0, R) for rows 0..R-1
     n_cols: int  # Q
     ctx_len: int  # attend to cache positions [0, ctx_len): a bucket, not max_seq_len
+
+    @property
+    def n_rows(self) -> int:
+        return self.row_slot.stop if isinstance(self.row_slot, slice) else self.row_slot.shape[0]
 
 
 def rope_frequencies(args: ModelArgs) -> Tensor:
@@ -76,10 +80,9 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, H, D]; cos/sin: [T, 1, D/2]. Half-split rotation, as in HF Llama checkpoints.
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.type_as(x)
+    # x: [T, H, D]; cos/sin: [T, 1, D/2] in x's dtype. Half-split rotation, as in HF checkpoints.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -113,9 +116,10 @@ class Attention(nn.Module):
         self.k_cache.index_put_((b.slot, b.pos), k.to(self.k_cache.dtype))
         self.v_cache.index_put_((b.slot, b.pos), v.view(T, Hkv, D).to(self.v_cache.dtype))
 
-        R, Q = b.row_slot.shape[0], b.n_cols
+        R, Q = b.n_rows, b.n_cols
         grid = q.new_zeros(R * Q + 1, H, D).index_copy(0, b.cell, q)[:-1]  # [R*Q, H, D]
         grid = grid.view(R, Q, H, D).transpose(1, 2)  # [R, H, Q, D]
+        # A slice of rows is a view: decode attends to the cache in place, without a copy.
         keys = self.k_cache[b.row_slot, : b.ctx_len].transpose(1, 2).to(q.dtype)  # [R, Hkv, C, D]
         vals = self.v_cache[b.row_slot, : b.ctx_len].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(grid, keys, vals, attn_mask=mask, enable_gqa=Hkv != H)
@@ -178,10 +182,10 @@ class Transformer(nn.Module):
         the outputs of `hidden_layers` (0-based) for every token, `[T, len(hidden_layers), dim]`."""
         if any(not 0 <= i < len(self.layers) for i in hidden_layers):
             raise ValueError(f"hidden_layers={hidden_layers} out of range for {len(self.layers)} layers")
-        freqs = b.pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        mask = self.attention_mask(b)
         x = self.tok_embeddings(b.tokens)  # [T, dim]
+        freqs = b.pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        mask = self.attention_mask(b)
         hidden = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, b, cos, sin, mask)
@@ -197,7 +201,7 @@ class Transformer(nn.Module):
     def attention_mask(b: Batch) -> Tensor:
         """[R, 1, Q, C] bool: a query sees its slot's cache up to its own position. Empty grid
         cells get position 0 so that no row is fully masked (that would give NaN)."""
-        R, Q = b.row_slot.shape[0], b.n_cols
+        R, Q = b.n_rows, b.n_cols
         qpos = b.pos.new_zeros(R * Q + 1).index_copy(0, b.cell, b.pos)[:-1].view(R, Q)
         kpos = torch.arange(b.ctx_len, device=b.pos.device)
         return (kpos[None, None, :] <= qpos[:, :, None])[:, None]

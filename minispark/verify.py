@@ -81,6 +81,17 @@ def accept_tokens(probs: Tensor, draft: Tensor, draft_q: Tensor | None, seed: Te
     return accept, alt
 
 
+def accept_copies(probs: Tensor, draft: Tensor, seed: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Verification of point-mass drafts (n-gram copies) by sampling: draw the target's own token
+    x* with the position's fixed noise and accept the draft iff it equals x*.
+
+    P(accept) = p(draft), and a rejection leaves x* ~ p without the draft, renormalised: the rule
+    of `accept_tokens` for a point mass. Because x* does not depend on the draft, a request's
+    sampled tokens are the same with or without speculation, in any batch."""
+    alt = bonus_tokens(probs, seed, pos)
+    return alt == draft, alt
+
+
 def bonus_tokens(probs: Tensor, seed: Tensor, pos: Tensor) -> Tensor:
     """A plain sample from the target (the token after a fully accepted chain, or spec off)."""
     return sample(probs, uniform(seed, pos, SAMPLE_STREAM, probs.shape[-1]))

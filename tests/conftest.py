@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from minispark.price import CostModel
 from minispark.weights import args_from_hf_config, build_model
 
 
@@ -55,9 +56,14 @@ class ByteTokenizer:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages))
 
 
+# A fixed cost table (verification nearly free, as on a CPU) keeps budgets deterministic.
+FLAT_COST = CostModel([1, 1025], [1.0, 1.5])
+
+
 def tiny_llm(spec: str = "off", seed: int = 0, eos: int | None = None, max_batch_size: int = 4,
-             max_seq_len: int = 256, **overrides):
+             max_seq_len: int = 256, cost: CostModel = FLAT_COST, **overrides):
     from minispark.engine import LLM
 
     _, ms = tiny_pair(seed, **overrides)
-    return LLM.from_model(ms, ByteTokenizer(eos), spec=spec, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return LLM.from_model(ms, ByteTokenizer(eos), spec=spec, max_batch_size=max_batch_size,
+                          max_seq_len=max_seq_len, cost=cost)

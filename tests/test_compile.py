@@ -19,7 +19,7 @@ def run_steps(eng: Engine, prompts: list[list[int]], sampling: bool, steps: int 
     eng.prefill(list(range(len(prompts))), prompts, sampling)
     outs = []
     for _ in range(steps):
-        o = eng.step(len(prompts), 8, 128, sampling)
+        o = eng.step(len(prompts), 8, 4, 128, sampling)
         outs.append((o.tokens.clone(), o.n.clone(), o.finish.clone()))
     return outs
 

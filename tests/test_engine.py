@@ -81,18 +81,22 @@ def test_ngram_accepts_copies_and_counts_sources():
     out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(temperature=0, max_tokens=40))[0]
     assert out.accepted["ngram"] > len(out.token_ids) // 3  # a model that repeats itself is copied, many tokens a step
     assert sum(out.accepted.values()) == len(out.token_ids)
-    assert out.num_steps < len(out.token_ids) / 2
+    assert out.num_steps < 0.6 * len(out.token_ids)
     s = llm.stats()
     assert s["tokens"] == len(out.token_ids) and s["ngram"] == out.accepted["ngram"]
 
 
-def test_sampling_is_reproducible_across_batch_positions():
+def test_sampling_is_reproducible_across_batch_positions_and_modes():
+    """A seeded request samples the same tokens in any batch, slot or order, with or without
+    speculation: copies are verified against the target's own sample at each position."""
     prompts = random_prompts(random.Random(3), 5, 40)
     params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=100 + i) for i in range(5)]
-    a = tiny_llm("ngram", initializer_range=0.3, vocab_size=40, max_batch_size=4).generate(prompts, params)
-    b = tiny_llm("ngram", initializer_range=0.3, vocab_size=40, max_batch_size=2).generate(prompts[::-1], params[::-1])
-    assert [o.token_ids for o in a] == [o.token_ids for o in b[::-1]]
-    c = tiny_llm("ngram", initializer_range=0.3, vocab_size=40).generate(prompts, [
+    a = tiny_llm("ngram", initializer_range=0.1, vocab_size=40, max_batch_size=4).generate(prompts, params)
+    b = tiny_llm("ngram", initializer_range=0.1, vocab_size=40, max_batch_size=2).generate(prompts[::-1], params[::-1])
+    off = tiny_llm("off", initializer_range=0.1, vocab_size=40, max_batch_size=3).generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b[::-1]] == [o.token_ids for o in off]
+    assert sum(o.accepted["ngram"] for o in a) > 0
+    c = tiny_llm("ngram", initializer_range=0.1, vocab_size=40).generate(prompts, [
         SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=200 + i) for i in range(5)])
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 

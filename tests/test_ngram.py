@@ -3,9 +3,8 @@
 Reference rule: for n from n_max down to n_min, take the last n tokens of the history
 h = tokens[r, :hist_len[r]] and find the earlier starts w with h[w:w+n] == suffix and
 w + n < len(h) (at least one continuation token; the window may overlap the suffix). The longest
-n wins. Among occurrences of that n: the most recent one that has K tokens after it, else the
-earliest (the longest continuation; in a run like "x x x x" the most recent occurrence would
-propose a single token). The proposal is h[w+n : w+n+K], valid = its length, m = n.
+n wins, the earliest occurrence among equals (in code edits the prompt's copy; in a run like
+"x x x x" the longest continuation). The proposal is h[w+n : w+n+K], valid = its length, m = n.
 No match: valid 0, m 0.
 """
 from __future__ import annotations
@@ -24,8 +23,7 @@ def ref_match(h: list[int], n_min: int, n_max: int, k: int) -> tuple[list[int], 
         suffix = h[L - n:]
         starts = [w for w in range(L - n) if h[w:w + n] == suffix]  # w + n < L
         if starts:
-            full = [w for w in starts if w + n + k <= L]
-            w = max(full) if full else min(starts)
+            w = min(starts)
             cont = h[w + n:w + n + k]
             return cont, len(cont), n
     return [], 0, 0
@@ -60,17 +58,15 @@ def test_reference_self_check():
     assert ref_match([1, 2, 3, 4], 1, 3, 4) == ([], 0, 0)
     assert ref_match([5, 6, 7, 1, 5, 6], 2, 4, 3) == ([7, 1, 5], 3, 2)
     assert ref_match([0, 1, 0, 1, 0, 1, 0, 1], 2, 4, 8) == ([0, 1, 0, 1], 4, 4)  # earliest, w = 0
-    assert ref_match([0, 1, 0, 1, 0, 1, 0, 1], 2, 4, 2) == ([0, 1], 2, 4)  # most recent full, w = 2
+    assert ref_match([0, 1, 0, 1, 0, 1, 0, 1], 2, 4, 2) == ([0, 1], 2, 4)  # earliest, w = 0
 
 
 def test_occurrence_choice_among_equal_lengths():
     # [1, 2] occurs at w = 0 (followed by 7 8 9 ...) and at w = 5 (followed by 4 4 1 2).
     h = [1, 2, 7, 8, 9, 1, 2, 4, 4, 1, 2]
-    # K = 2: both have K tokens after them -> the most recent.
-    assert one(h, 2, 2, 2) == ([4, 4], 2, 2)
-    # K = 4: w = 5 has exactly 4 tokens after it -> still the most recent.
-    assert one(h, 2, 2, 4) == ([4, 4, 1, 2], 4, 2)
-    # K = 6: no occurrence has 6 tokens after it -> the earliest (longest continuation).
+    # Whatever K, the earliest occurrence wins.
+    assert one(h, 2, 2, 2) == ([7, 8], 2, 2)
+    assert one(h, 2, 2, 4) == ([7, 8, 9, 1], 4, 2)
     assert one(h, 2, 2, 6) == ([7, 8, 9, 1, 2, 4], 6, 2)
 
 
@@ -90,14 +86,12 @@ def test_overlapping_repeats():
     abab = [0, 1] * 4
     # Longest n with an earlier occurrence leaving a continuation token: n = 6 at w = 0.
     assert one(abab, 1, 8, 8) == ([0, 1], 2, 6)
-    # n_max = 4: no occurrence has 8 tokens after it -> the earliest, w = 0: the continuation
-    # runs into the suffix itself.
+    # n_max = 4: the earliest, w = 0: the continuation runs into the suffix itself.
     assert one(abab, 2, 4, 8) == ([0, 1, 0, 1], 4, 4)
-    # K = 2: the most recent occurrence with 2 tokens after it, w = 2.
     assert one(abab, 2, 4, 2) == ([0, 1], 2, 4)
     aaaa = [3] * 6
     assert one(aaaa, 1, 3, 8) == ([3, 3, 3], 3, 3)  # earliest, w = 0
-    assert one(aaaa, 1, 3, 2) == ([3, 3], 2, 3)  # most recent with 2 after it, w = 1
+    assert one(aaaa, 1, 3, 2) == ([3, 3], 2, 3)  # earliest, w = 0
     assert one(aaaa, 1, 8, 8) == ([3], 1, 5)
 
 
@@ -113,10 +107,11 @@ def test_full_copy_of_prompt():
 
 
 def test_longest_match_beats_more_recent():
-    # [1, 2, 3] occurs at w=0 (continuation 9); [2, 3] occurs more recently at w=5 (cont. 8).
+    # [2, 3] occurs at w=5 (continuation 8), [1, 2, 3] only at w=0 (continuation 9 4).
+    h = [5, 2, 3, 7, 6, 2, 3, 8, 1, 2, 3]
+    assert one(h, 2, 2, 2) == ([7, 6], 2, 2)  # the earliest [2, 3]
     h = [1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3]
-    assert one(h, 2, 4, 2) == ([9, 4], 2, 3)
-    assert one(h, 2, 2, 2) == ([8, 1], 2, 2)
+    assert one(h, 2, 4, 2) == ([9, 4], 2, 3)  # the longer match wins
 
 
 def test_history_shorter_than_n():
