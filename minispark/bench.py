@@ -82,15 +82,17 @@ def hf_model(args, hf_sd, dtype: torch.dtype):
 
 def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_ids: tuple[int, ...],
            prompt_lookup: bool) -> Result:
-    """transformers' generate, `batch` prompts at a time (left-padded), greedy."""
+    """transformers' generate, `batch` prompts at a time (left-padded), greedy. Prompt lookup
+    decoding runs one prompt at a time: transformers supports it only at batch size 1."""
+    group_size = 1 if prompt_lookup else batch
     kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
     if prompt_lookup:
         kw["prompt_lookup_num_tokens"] = 10
     tokens, seconds = 0, 0.0
     with torch.no_grad():
         model.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4})  # warm-up
-        for i in range(0, len(prompts), batch):
-            group = prompts[i: i + batch]
+        for i in range(0, len(prompts), group_size):
+            group = prompts[i: i + group_size]
             width = max(map(len, group))
             ids = torch.tensor([[stop_ids[0]] * (width - len(p)) + p for p in group])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])

@@ -75,6 +75,10 @@ def from_hf(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
                                  f"{names[0]!r} of shape {tuple(parts[0].shape)}")
         return torch.cat(parts)
 
+    if any(k.endswith("o_proj.bias") for k in sd):
+        raise ValueError("checkpoint has a bias on the attention output projection (o_proj.bias); "
+                         "minispark supports q/k/v biases only (Llama without attention_bias, Qwen2)")
+
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not args.tie_embeddings:
         out["output.weight"] = take("lm_head.weight")
