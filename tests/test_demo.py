@@ -1,0 +1,57 @@
+"""End to end on the demo model (SmolLM2-135M-Instruct), fp32: every mode gives spec="off"'s
+tokens on chat and code-edit prompts, alone and in mixed batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minispark import LLM, SamplingParams
+from minispark.price import CostModel
+from minispark.workloads import chat_prompts, code_edit_prompts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo():
+    llm = LLM(spec="off", dtype="float32", max_batch_size=1, max_seq_len=1024)
+    chats = [llm.tokenizer.encode_chat(c) for c in chat_prompts(2)]
+    edits = [llm.tokenizer.encode_chat(c) for c in code_edit_prompts(2)]
+    return llm, chats + edits
+
+
+def test_ngram_equals_off_on_the_demo_model(demo):
+    off, prompts = demo
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    alone = [o.token_ids for o in off.generate(prompts, params)]
+    # A measured-like cost table: verification nearly free, so chains of every length are tried.
+    cost = CostModel([1, 65], [1.0, 1.3])
+    for batch in (1, 3):
+        ngram = LLM.from_model(off.engine.model, off.tokenizer, spec="ngram", max_batch_size=batch,
+                               max_seq_len=1024, cost=cost)
+        outs = ngram.generate(prompts, params)
+        assert [o.token_ids for o in outs] == alone
+        if batch == 1:
+            # The code edits repeat their prompt: most of their tokens are copies.
+            assert sum(o.accepted["ngram"] for o in outs[2:]) > 0.3 * sum(len(o.token_ids) for o in outs[2:])
+
+
+def test_text_and_stops(demo):
+    off, _ = demo
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    out = off.chat(ask, SamplingParams(temperature=0.0, max_tokens=60))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] in off.tokenizer.stop_ids
+    assert "<|im_end|>" not in out.text
+    cut = off.chat(ask, SamplingParams(temperature=0.0, max_tokens=60, stop=["Paris"]))[0]
+    assert cut.finish_reason == "stop" and cut.text == out.text[: out.text.index("Paris")]
+
+
+def test_bf16_default_runs_and_samples(demo):
+    off, prompts = demo
+    llm = LLM(spec="ngram", max_batch_size=2, max_seq_len=1024)  # bf16, profiled cost table
+    assert llm.engine.model.tok_embeddings.weight.dtype == torch.bfloat16
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1))
+    again = llm.generate(prompts[:2], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) > 0 for o in outs)
