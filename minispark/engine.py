@@ -359,7 +359,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, spec: str = "off", max_batch_size: int = 8,
                  max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
-                 seed: int = 0, **engine_kw):
+                 seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool = False,
+                 cost: price.CostModel | None = None):
+        """model: a checkpoint folder or .gguf (None = the demo model). ngram_k: the longest
+        n-gram chain; draft_budget: the most draft tokens verified per step, batch-wide;
+        compile: torch.compile the decode step (the GPU path; eager is faster to start on a CPU);
+        cost: a step-time table (profiled on this device at start-up when None)."""
         check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -370,26 +375,30 @@ class LLM:
             raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         net, path = load_model(model, dtype=torch_dtype, device=device)
-        self._setup(net, Tokenizer.from_path(path), spec, max_batch_size, max_seq_len, seed, engine_kw)
+        engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, draft_budget=draft_budget,
+                        compile=compile)
+        self._setup(engine, Tokenizer.from_path(path), seed, cost)
 
     @classmethod
     def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
-                   max_seq_len: int = 4096, seed: int = 0, **engine_kw) -> "LLM":
-        """An LLM around an already built model and tokenizer (tests use tiny random models)."""
+                   max_seq_len: int = 4096, seed: int = 0, ngram_k: int = 32, draft_budget: int = 64,
+                   compile: bool = False, cost: price.CostModel | None = None) -> "LLM":
+        """An LLM around an already built model and tokenizer (tests use tiny random models).
+        The model's KV cache is re-allocated: one LLM per model at a time."""
         check_spec(spec)
         self = cls.__new__(cls)
-        self._setup(net, tokenizer, spec, max_batch_size, max_seq_len, seed, engine_kw)
+        engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, draft_budget=draft_budget,
+                        compile=compile)
+        self._setup(engine, tokenizer, seed, cost)
         return self
 
-    def _setup(self, net, tokenizer, spec, max_batch_size, max_seq_len, seed, engine_kw) -> None:
-        self.tokenizer, self.seed = tokenizer, seed
-        cost = engine_kw.pop("cost", None)
-        self.engine = Engine(net, spec, max_batch_size, max_seq_len, **engine_kw)
-        self._budgets = [b for b in BUDGETS if b <= self.engine.draft_budget]
-        self.cost = cost or (self.engine.profile(self._budgets) if self.engine.K else None)
+    def _setup(self, engine: Engine, tokenizer: Tokenizer, seed: int, cost: price.CostModel | None) -> None:
+        self.engine, self.tokenizer, self.seed = engine, tokenizer, seed
+        self._budgets = [b for b in BUDGETS if b <= engine.draft_budget]
+        self.cost = cost or (engine.profile(self._budgets) if engine.K else None)
         self._ids = itertools.count()
         self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0)}
-        self._slots: list[_Request | None] = [None] * max_batch_size
+        self._slots: list[_Request | None] = [None] * engine.S
 
     # -- public -------------------------------------------------------------------------------
 
