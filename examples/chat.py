@@ -108,6 +108,8 @@ def main() -> int:
     ap.add_argument("--prompt", help="ask this, print the answer and exit")
     ap.add_argument("--spec", default="ngram", help=f"speculation mode: {', '.join(SPEC_MODES)}")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
+    ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
+                    "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
     ap.add_argument("--system", default=None, help="system message")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -121,7 +123,7 @@ def main() -> int:
     except ValueError as e:
         ap.error(str(e))
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=a.max_seq_len)
+        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=a.max_seq_len, trace=a.trace)
     chat = Chat(llm, params, a.system)
     if a.prompt is not None:
         chat.ask(a.prompt)

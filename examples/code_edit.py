@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("instruction", nargs="?", default=None, help='e.g. "rename foo to bar"')
     ap.add_argument("--spec", default="ngram", help=f"speculation mode: {', '.join(SPEC_MODES)}")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
+    ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
+                    "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--compare", action="store_true", help='also run spec="off" and report the speed-up')
     ap.add_argument("--write", action="store_true", help="save the edited code back to FILE")
@@ -84,7 +86,7 @@ def main() -> int:
     instruction = a.instruction or "Rename the function `count_words` to `word_counts`."
 
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=4096)
+        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=4096, trace=a.trace)
     console.rule(f"[bold]{instruction}[/]  (spec={a.spec})")
     answer, seconds, stats = edit(llm, code, instruction, a.max_tokens, show=True)
     new = extract_code(answer)

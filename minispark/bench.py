@@ -123,6 +123,60 @@ def render(results: list[Result], baseline: str) -> str:
     return "\n".join(lines)
 
 
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit('plotting needs matplotlib: pip install "minispark[plot]"') from None
+    return plt
+
+
+def plot_results(results: list[Result], path: str) -> None:
+    """Throughput by batch size, one line per system, one panel per workload."""
+    plt = _pyplot()
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for system in dict.fromkeys(r.system for r in results):
+            rows = sorted((r.batch, r.tok_s) for r in results if r.workload == w and r.system == system)
+            ax.plot([b for b, _ in rows], [t for _, t in rows], marker="o", label=system)
+        ax.set(title=w, xlabel="batch size", ylabel="output tokens/s", xscale="log")
+        ax.set_xticks(sorted({r.batch for r in results}), labels=[str(b) for b in sorted({r.batch for r in results})])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_trace(trace: str, request: int | None, path: str) -> None:
+    """One request's steps from an `LLM(trace=...)` file: tokens verified and accepted per
+    step, coloured by the drafter whose chain was verified."""
+    import json
+
+    plt = _pyplot()
+    steps = [json.loads(line) for line in Path(trace).read_text().splitlines() if line.strip()]
+    rows = [(s["step"], slot) for s in steps for slot in s["slots"]]
+    if request is None and rows:
+        request = rows[0][1]["request"]
+    rows = [(step, slot) for step, slot in rows if slot["request"] == request]
+    if not rows:
+        raise SystemExit(f"no steps of request {request} in {trace}")
+    colours = {"ngram": "tab:green", "spark": "tab:blue", "target": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.12), 3.5))
+    x = list(range(len(rows)))
+    ax.bar(x, [slot["verified"] for _, slot in rows], color="none", edgecolor="lightgray", label="verified")
+    ax.bar(x, [slot["emitted"] for _, slot in rows], color=[colours[slot["chain"]] for _, slot in rows])
+    for name, c in colours.items():
+        ax.bar([], [], color=c, label=f"emitted ({name} chain)")
+    ax.set(xlabel="decode step", ylabel="tokens", title=f"request {request}: tokens per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="minispark bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,7 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: the first mode)")
     ap.add_argument("--out", default=None, help="write the Markdown table to this file")
+    ap.add_argument("--plot", default=None, help="draw throughput by batch size to this PNG; with "
+                    "--trace, draw one request's steps instead")
+    ap.add_argument("--trace", default=None, help="a trace file written by LLM(trace=...) or the examples' --trace")
+    ap.add_argument("--request", type=int, default=None, help="the request of --trace to draw (default: the first)")
     a = ap.parse_args(argv)
+    if a.trace:
+        plot_trace(a.trace, a.request, a.plot or "trace.png")
+        console.print(f"wrote {a.plot or 'trace.png'}")
+        return
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
         if m not in SPEC_MODES:
@@ -179,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     Console().print(table)
     if a.out:
         Path(a.out).write_text(f"{header}\n\n{md}\n")
+    if a.plot:
+        plot_results(results, a.plot)
+        console.print(f"wrote {a.plot}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class StepOut:
     source: Tensor  # [R] index into SOURCES of the verified chain
     finish: Tensor  # [R] 0 running, 1 stop, 2 length
     survival: Tensor  # [R, K] updated survival estimates: the host's budget for the next step
+    length: Tensor  # [R] drafted tokens verified
 
 
 # ----------------------------------------------------------------------------- the device engine
@@ -133,8 +135,10 @@ class Engine:
         self.temperature, self.top_p = zeros(S, dtype=torch.float), torch.ones(S, device=dev)
         self.top_k, self.seed = zeros(S), zeros(S)
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
-        # Decayed counts of accepted and rejected n-gram tokens per slot: its acceptance estimate.
-        self.ng_acc, self.ng_rej = zeros(S, dtype=torch.float), zeros(S, dtype=torch.float)
+        # Decayed counts of accepted and rejected n-gram tokens by match length, for the first
+        # token of a chain and for the tokens after an accepted one: the acceptance estimates,
+        # learnt online from this engine's own steps.
+        self.ng_counts = zeros(self.ngram.n_max + 1, 2, 2, dtype=torch.float)  # [m, first|rest, acc|rej]
         self._step = self.decode_step
         if compile:
             # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
@@ -151,7 +155,6 @@ class Engine:
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
         self.tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        self.ng_acc[slot], self.ng_rej[slot] = 0.0, 0.0
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
@@ -181,8 +184,8 @@ class Engine:
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
         zero = torch.zeros_like(lens)
-        prior = self.survival(slot_t, torch.full_like(lens, self.K))
-        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, prior)
+        prior = self.survival(torch.zeros_like(lens), torch.full_like(lens, self.K))  # m = 0: unknown
+        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, prior, zero)
 
     def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool) -> Tensor:
         """The target's own token for each row of logits [N, V] (greedy unless `sampling`)."""
@@ -204,40 +207,57 @@ class Engine:
         R, budget (draft tokens verified, batch-wide), width (the longest chain), ctx (attended
         cache prefix) and sampling are chosen by the host from what it already knows, so each
         combination is one static graph; nothing here reads a tensor value on the host."""
-        draft, valid, a = self.draft(R, ctx)  # [R, K], [R], [R, K]
+        draft, valid, m = self.draft(R, ctx)  # [R, K], [R], [R] match lengths
+        a = self.survival(m, valid)  # [R, K]
         length = price.admit_top(a[:, :width], budget)  # [R], at most `width` each
         batch = self.pack(R, draft[:, :width], length, ctx, budget)
         logits, _ = self.model(batch)  # [T, V]
         out, n_out = self.accept(logits, batch, draft[:, :width], length, sampling)
         n, finish = self.commit(R, out, n_out)
-        self.learn(R, length, n_out - 1)
+        self.learn(m, length, n_out - 1)
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
         source = torch.where(length > 0, SOURCES.index("ngram"), SOURCES.index("target"))
-        return StepOut(out, n, n_draft, source, finish, self.survival(slice(0, R), valid))
+        return StepOut(out, n, n_draft, source, finish, self.survival(m, valid), length)
 
     def draft(self, R: int, ctx: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Proposals [R, K], their valid lengths [R] and survival estimates [R, K]."""
+        """Proposals [R, K], their valid lengths [R] and match lengths [R]."""
         if self.K == 0:
-            empty = torch.zeros(R, 0, device=self.device)
-            return empty.long(), torch.zeros(R, dtype=torch.long, device=self.device), empty
+            zero = torch.zeros(R, dtype=torch.long, device=self.device)
+            return zero[:, None][:, :0], zero, zero
         hist_len = self.lens[:R] + 1  # the anchor next_tok sits at tokens[lens]
-        draft, valid, _ = self.ngram(self.tokens[:R, :ctx], hist_len)
+        draft, valid, m = self.ngram(self.tokens[:R, :ctx], hist_len)
         # Room in the cache: the chain and the token after it must fit below L.
         valid = torch.minimum(valid, (self.L - 2 - self.lens[:R]).clamp(min=0))
         valid = torch.where(self.active[:R], valid, 0)
-        return draft, valid, self.survival(slice(0, R), valid)
+        return draft, valid, m
 
-    def survival(self, slots: Tensor | slice, valid: Tensor) -> Tensor:
-        """a [R, K]: each copied token is accepted with the slot's estimated rate c, so
-        a_j = c^j (until calibrated per-position estimates exist). c reads only past steps."""
-        c = (self.ng_acc[slots] + 1) / (self.ng_acc[slots] + self.ng_rej[slots] + 2)  # [R]
-        return price.survival(c[:, None].expand(-1, self.K), valid)
+    # Beta priors (accepted, rejected) of the first copied token and of each later one. A copy
+    # is mostly all right (the output repeats the input) or wrong from its first token, so the
+    # first token is far less certain than the ones after an accepted token.
+    PRIOR = ((1.0, 2.0), (3.0, 1.0))
+    DECAY = 0.98  # per step: the estimates follow the workload
 
-    def learn(self, R: int, length: Tensor, accepted: Tensor, decay: float = 0.7) -> None:
-        """Fold this step's n-gram outcome into each slot's acceptance estimate."""
-        tried = length > 0
-        self.ng_acc[:R] = torch.where(tried, decay * self.ng_acc[:R] + accepted, self.ng_acc[:R])
-        self.ng_rej[:R] = torch.where(tried, decay * self.ng_rej[:R] + (accepted < length).float(), self.ng_rej[:R])
+    def survival(self, m: Tensor, valid: Tensor) -> Tensor:
+        """a [R, K]: the first copied token of a match of length m is accepted with rate
+        c1(m), each later one (given the one before) with c2(m), so a_j = c1 c2^(j-1). Both read
+        past steps only (until calibrated per-position estimates exist)."""
+        if self.K == 0:
+            return torch.zeros(m.shape[0], 0, device=self.device)
+        counts = self.ng_counts[m]  # [R, 2, 2]
+        prior = torch.tensor(self.PRIOR, device=counts.device)
+        c = (counts[..., 0] + prior[:, 0]) / (counts.sum(-1) + prior.sum(-1))  # [R, 2]
+        conf = torch.cat([c[:, :1], c[:, 1:].expand(-1, self.K - 1)], dim=1)  # [R, K]
+        return price.survival(conf, valid)
+
+    def learn(self, m: Tensor, length: Tensor, accepted: Tensor) -> None:
+        """Fold this step's n-gram outcomes into the estimates of their match lengths: the first
+        token accepted or not, then the later ones accepted and whether one was rejected."""
+        tried = (length > 0).float()[:, None, None]
+        first = torch.stack([(accepted > 0).float(), (accepted == 0).float()], -1)  # [R, 2]
+        rest = torch.stack([(accepted - 1).clamp(min=0).float(),
+                            ((accepted > 0) & (accepted < length)).float()], -1)  # [R, 2]
+        outcome = torch.stack([first, rest], dim=1) * tried  # [R, 2, 2]
+        self.ng_counts.mul_(self.DECAY).index_add_(0, m, outcome)
 
     def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
         """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed
@@ -281,25 +301,26 @@ class Engine:
 
     @torch.no_grad()
     def profile(self, budgets: Sequence[int], repeats: int = 3) -> price.CostModel:
-        """Time whole steps with every slot idle (all tokens padding) for each budget: the cost
-        table the host budgets with. Idle slots change no state but the scratch row."""
+        """Time whole steps of all S rows, every slot idle (all tokens padding), for each budget:
+        the cost table the host budgets with. Idle slots change no state but the scratch row.
+        All rows take part, as in a full batch: attention over the R x (width + 1) query grid
+        grows with the rows, so a one-row profile would make drafts look cheaper than they are."""
         active = self.active.clone()
         self.active.zero_()
         times = []
         try:
             for B in budgets:
-                width = min(self.K, B)
-                self.step(1, B, width, min(self.L, 256), False)  # warm-up
+                args = (self.S, B, chain_width(self.K, B, self.S), min(self.L, 512), False)
+                self.step(*args)  # warm-up
                 best = float("inf")
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    out = self.step(1, B, width, min(self.L, 256), False)
-                    out.n.cpu()  # wait for the device
+                    self.step(*args).n.cpu()  # .cpu() waits for the device
                     best = min(best, time.perf_counter() - start)
                 times.append(best)
         finally:
             self.active.copy_(active)
-        return price.CostModel([1 + B for B in budgets], times)
+        return price.CostModel([self.S + B for B in budgets], times)
 
     def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
         """Truncate each row's emitted tokens at a stop token, at max_tokens and at the cache's
@@ -360,11 +381,12 @@ class LLM:
     def __init__(self, model: str | None = None, spec: str = "off", max_batch_size: int = 8,
                  max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
                  seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool = False,
-                 cost: price.CostModel | None = None):
+                 cost: price.CostModel | None = None, trace: str | None = None):
         """model: a checkpoint folder or .gguf (None = the demo model). ngram_k: the longest
         n-gram chain; draft_budget: the most draft tokens verified per step, batch-wide;
         compile: torch.compile the decode step (the GPU path; eager is faster to start on a CPU);
-        cost: a step-time table (profiled on this device at start-up when None)."""
+        cost: a step-time table (profiled on this device at start-up when None); trace: a file
+        that gets one JSON line per step (each slot's chain, estimates, verified and accepted)."""
         check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -377,23 +399,26 @@ class LLM:
         net, path = load_model(model, dtype=torch_dtype, device=device)
         engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, draft_budget=draft_budget,
                         compile=compile)
-        self._setup(engine, Tokenizer.from_path(path), seed, cost)
+        self._setup(engine, Tokenizer.from_path(path), seed, cost, trace)
 
     @classmethod
     def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
                    max_seq_len: int = 4096, seed: int = 0, ngram_k: int = 32, draft_budget: int = 64,
-                   compile: bool = False, cost: price.CostModel | None = None) -> "LLM":
+                   compile: bool = False, cost: price.CostModel | None = None, trace: str | None = None) -> "LLM":
         """An LLM around an already built model and tokenizer (tests use tiny random models).
         The model's KV cache is re-allocated: one LLM per model at a time."""
         check_spec(spec)
         self = cls.__new__(cls)
         engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, draft_budget=draft_budget,
                         compile=compile)
-        self._setup(engine, tokenizer, seed, cost)
+        self._setup(engine, tokenizer, seed, cost, trace)
         return self
 
-    def _setup(self, engine: Engine, tokenizer: Tokenizer, seed: int, cost: price.CostModel | None) -> None:
+    def _setup(self, engine: Engine, tokenizer: Tokenizer, seed: int, cost: price.CostModel | None,
+               trace: str | None) -> None:
         self.engine, self.tokenizer, self.seed = engine, tokenizer, seed
+        self._trace = open(trace, "w") if trace else None
+        self._step_no = 0
         self._budgets = [b for b in BUDGETS if b <= engine.draft_budget]
         self.cost = cost or (engine.profile(self._budgets) if engine.K else None)
         self._ids = itertools.count()
@@ -507,10 +532,15 @@ class LLM:
             launched = None
             if any(slots):
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
-                launched = (eng.step(R, *self._plan(R, survival), any(r.params.temperature > 0 for r in slots[:R] if r)),
-                            list(slots[:R]), list(range(R)))
+                plan = self._plan(R, survival)
+                sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
+                launched = (eng.step(R, *plan, sampling), list(slots[:R]), list(range(R)))
+                if self._trace:
+                    launched += (plan, [list(a) for a in survival[:R]])
             if pending:
-                yield from self._absorb(*pending, survival)
+                if self._trace:
+                    self._write_trace(*pending)
+                yield from self._absorb(*pending[:3], survival)
             pending = launched
 
     def _plan(self, R: int, survival: list[list[float]]) -> tuple[int, int, int]:
@@ -523,9 +553,7 @@ class LLM:
         if eng.K:
             a = sorted((x for i, r in enumerate(self._slots[:R]) if r for x in survival[i]), reverse=True)
             budget = price.best_budget(R, len(live), a, self._budgets, self.cost)
-            # The query grid is R x (width + 1): cap chains at twice a fair share of the budget
-            # so that attention does not grow as R x budget.
-            width = min(eng.K, bucket(min(budget, max(8, 2 * budget // len(live))), WIDTHS))
+            width = chain_width(eng.K, budget, len(live))
         # Positions reach at most what the host knows + two steps of (width + 1) tokens.
         ctx = min(eng.L, round_up(max(r.known_len for r in live) + 2 * (eng.K + 1) + 1, 256))
         return budget, width, ctx
@@ -553,6 +581,19 @@ class LLM:
                     yield Delta(o, delta, SOURCES[source[i]] if j < n_draft[i] else "target")
                 if stopped:
                     break
+
+    def _write_trace(self, out: StepOut, owners: list, rows: list[int], plan: tuple, estimates: list) -> None:
+        """One JSON line per step: for teaching, what each slot proposed, was granted and kept."""
+        self._step_no += 1
+        budget, width, ctx = plan
+        n, n_draft, length, source = out.n.tolist(), out.n_draft.tolist(), out.length.tolist(), out.source.tolist()
+        slots = [{"slot": s, "request": req.out.request_id, "chain": SOURCES[source[i]],
+                  "estimate": [round(x, 3) for x in estimates[i][:max(width, 1)]],
+                  "verified": length[i], "accepted": n_draft[i], "emitted": n[i]}
+                 for i, (req, s) in enumerate(zip(owners, rows)) if req is not None and n[i] > 0]
+        self._trace.write(json.dumps({"step": self._step_no, "budget": budget, "width": width, "ctx": ctx,
+                                      "slots": slots}) + "\n")
+        self._trace.flush()
 
     def _append(self, req: _Request, tok: int) -> bool:
         """Add one token to a request's output; True when a stop string completed."""
@@ -589,6 +630,12 @@ class LLM:
         t["steps"] += o.num_steps
         for k, v in o.accepted.items():
             t[k] += v
+
+
+def chain_width(K: int, budget: int, n_live: int) -> int:
+    """The longest chain of a step. The query grid is R x (width + 1), so chains are capped at
+    twice a fair share of the budget (at least 8): attention must not grow as R x budget."""
+    return min(K, bucket(min(budget, max(8, 2 * budget // max(n_live, 1))), WIDTHS))
 
 
 def check_spec(spec: str) -> None:

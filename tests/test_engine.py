@@ -235,3 +235,22 @@ def test_a_stream_stopped_early_frees_its_slots():
     stream.close()
     assert first.output.finish_reason == "cancelled"
     assert llm.generate([[100, 101, 102]], params)[0].token_ids == expected  # nothing left running
+
+
+def test_trace_accounts_for_every_decoded_token(tmp_path):
+    import json
+
+    from conftest import FLAT_COST, ByteTokenizer, tiny_pair
+
+    _, net = tiny_pair(0, initializer_range=0.02, vocab_size=64)
+    path = tmp_path / "trace.jsonl"
+    llm = LLM.from_model(net, ByteTokenizer(), spec="ngram", max_batch_size=2, max_seq_len=128,
+                         cost=FLAT_COST, trace=str(path))
+    outs = llm.generate([[5, 6, 7, 8] * 3, [9, 10, 11]], SamplingParams(temperature=0, max_tokens=30))
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    for o in outs:
+        mine = [s for step in steps for s in step["slots"] if s["request"] == o.request_id]
+        assert len(mine) == o.num_steps
+        assert sum(s["emitted"] for s in mine) == len(o.token_ids) - 1  # the first comes from prefill
+        assert sum(s["accepted"] for s in mine) == o.accepted["ngram"]
+        assert all(s["accepted"] <= s["verified"] <= step["width"] for step in steps for s in step["slots"])
