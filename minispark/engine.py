@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ from .weights import load_model
 SPEC_MODES = ("off", "ngram")
 SOURCES = ("ngram", "spark", "target")
 MAX_STOP_IDS = 8
-FINISH = {1: "stop", 2: "length"}
+FINISH = {1: "stop", 2: "length", 3: "error"}
+NON_FINITE = ("the model produced NaN or inf logits for this request (a broken checkpoint, or an "
+              "overflow in this dtype: try dtype='float32'); nothing was sampled from them")
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -82,7 +85,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # why, when finish_reason is "error"
     num_steps: int = 0  # decode steps this request took part in
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
 
@@ -124,6 +128,7 @@ class Engine:
         self.K = self.ngram.k if spec != "off" else 0
         self.draft_budget = draft_budget if self.K else 0
         dev = self.device = model.tok_embeddings.weight.device
+        check_memory(model, S, L, dev)
         model.setup_cache(S, L)
 
         def zeros(*shape, dtype=torch.long):
@@ -179,7 +184,8 @@ class Engine:
         self.n_gen[slot_t] = 0
         # The first token is emitted like any other: through the same commit rule.
         out = first[:, None]
-        n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens))
+        broken = ~torch.isfinite(logits).all(-1)
+        n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens), broken)
         self.tokens[slot_t, lens] = first
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
@@ -213,7 +219,8 @@ class Engine:
         batch = self.pack(R, draft[:, :width], length, ctx, budget)
         logits, _ = self.model(batch)  # [T, V]
         out, n_out = self.accept(logits, batch, draft[:, :width], length, sampling)
-        n, finish = self.commit(R, out, n_out)
+        n_out = torch.where(self.active[:R], n_out, 0)
+        n, finish = self.commit(R, out, n_out, self.non_finite(logits, batch, R))
         self.learn(m, length, n_out - 1)
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
         source = torch.where(length > 0, SOURCES.index("ngram"), SOURCES.index("target"))
@@ -322,9 +329,10 @@ class Engine:
             self.active.copy_(active)
         return price.CostModel([self.S + B for B in budgets], times)
 
-    def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
+    def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor, broken: Tensor) -> tuple[Tensor, Tensor]:
         """Truncate each row's emitted tokens at a stop token, at max_tokens and at the cache's
-        end. Returns the count kept [R] and the finish code [R] (0 running, 1 stop, 2 length)."""
+        end; a broken row keeps none. Returns the count kept [R] and the finish code [R]
+        (0 running, 1 stop, 2 length, 3 error)."""
         Q = out.shape[1]
         col = torch.arange(Q, device=out.device)[None, :]
         is_stop = (out[:, :, None] == self.stop_ids[slot][:, None, :]).any(-1) & (col < n_out[:, None])
@@ -334,13 +342,21 @@ class Engine:
         stopped = n_stop <= n
         full = (self.n_gen[slot] + n >= self.max_new[slot]) | (self.lens[slot] + n >= self.L - 1)
         finish = torch.where(stopped, 1, torch.where(full, 2, 0))
-        return n, torch.where(n_out > 0, finish, 0)
+        finish = torch.where(broken, 3, finish)
+        return torch.where(broken, 0, n), torch.where(n_out > 0, finish, 0)
 
-    def commit(self, R: int, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
+    @staticmethod
+    def non_finite(logits: Tensor, b: Batch, R: int) -> Tensor:
+        """[R] rows with a NaN or inf among their logits: they stop with an error, unsampled."""
+        bad = (~torch.isfinite(logits).all(-1)).long()  # [T]
+        row = b.cell // b.n_cols  # padding lands in row R
+        return torch.zeros(R + 1, dtype=torch.long, device=logits.device).index_add_(0, row, bad)[:R] > 0
+
+    def commit(self, R: int, out: Tensor, n_out: Tensor, broken: Tensor) -> tuple[Tensor, Tensor]:
         """Append the kept tokens to each slot's history, advance lens and the anchor."""
         Q, L = out.shape[1], self.L
         rows = torch.arange(R, device=self.device)
-        n, finish = self.finish_rule(rows, out, n_out)
+        n, finish = self.finish_rule(rows, out, n_out, broken)
         col = torch.arange(Q, device=self.device)[None, :]
         lens = self.lens[:R]
         at = torch.where(col < n[:, None], lens[:, None] + 1 + col, L + col)  # [R, Q]
@@ -565,13 +581,18 @@ class LLM:
         source, finish, a = out.source.tolist(), out.finish.tolist(), out.survival.tolist()
         for i, (req, slot) in enumerate(zip(owners, rows)):
             survival[slot] = a[i]
-            if req is None or req.out.finished or n[i] == 0:
+            if req is None or req.out.finished or (n[i] == 0 and FINISH.get(finish[i]) != "error"):
                 continue
             o = req.out
             o.num_steps += count_step
             o.accepted[SOURCES[source[i]]] += n_draft[i]
             o.accepted["target"] += n[i] - n_draft[i]
             reason = FINISH.get(finish[i])
+            if reason == "error":
+                o.error = NON_FINITE
+                self._finish(req, slot, reason)
+                yield Delta(o, self._flush(req), "target")
+                continue
             for j, tok in enumerate(tokens[i][: n[i]]):
                 stopped = self._append(req, tok)
                 if stopped or (reason and j == n[i] - 1):
@@ -630,6 +651,21 @@ class LLM:
         t["steps"] += o.num_steps
         for k, v in o.accepted.items():
             t[k] += v
+
+
+def check_memory(model: Transformer, S: int, L: int, device: torch.device) -> None:
+    """Refuse a KV cache that cannot fit, before allocating it, saying what to turn down."""
+    a = model.args
+    itemsize = model.tok_embeddings.weight.element_size()
+    need = 2 * a.n_layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.9 * free:
+        gib = 2**30
+        raise ValueError(f"the KV cache for max_batch_size={S} x max_seq_len={L} needs {need / gib:.1f} GiB, "
+                         f"but only {free / gib:.1f} GiB is free on {device}; lower max_seq_len or max_batch_size")
 
 
 def chain_width(K: int, budget: int, n_live: int) -> int:

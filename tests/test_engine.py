@@ -254,3 +254,24 @@ def test_trace_accounts_for_every_decoded_token(tmp_path):
         assert sum(s["emitted"] for s in mine) == len(o.token_ids) - 1  # the first comes from prefill
         assert sum(s["accepted"] for s in mine) == o.accepted["ngram"]
         assert all(s["accepted"] <= s["verified"] <= step["width"] for step in steps for s in step["slots"])
+
+
+def test_non_finite_logits_stop_only_the_affected_request():
+    """A NaN in one token's embedding breaks only the requests that read that token: they end
+    with finish_reason "error" and a message; the others are unaffected."""
+    kw = dict(initializer_range=0.3, vocab_size=64, tie_word_embeddings=False)  # the head stays finite
+    clean = tiny_llm("ngram", **kw)
+    expected = clean.generate([[5, 6, 7, 5, 6]], GREEDY)[0].token_ids
+    poison = next(t for t in range(3, 64) if t not in expected + [5, 6, 7])
+    ok_prompt, bad_prompt = [5, 6, 7, 5, 6], [8, poison, 10]
+    llm = tiny_llm("ngram", max_batch_size=2, **kw)
+    with torch.no_grad():
+        llm.engine.model.tok_embeddings.weight[poison] = float("nan")
+    ok, bad = llm.generate([ok_prompt, bad_prompt], GREEDY)
+    assert bad.finish_reason == "error" and "NaN" in bad.error and bad.token_ids == []
+    assert ok.token_ids == expected and ok.finish_reason == "length"
+
+
+def test_a_cache_that_cannot_fit_is_refused_up_front():
+    with pytest.raises(ValueError, match="lower max_seq_len or max_batch_size"):
+        tiny_llm("off", max_batch_size=64, max_seq_len=50_000_000)
