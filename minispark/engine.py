@@ -185,7 +185,7 @@ class Engine:
         # The first token is emitted like any other: through the same commit rule.
         out = first[:, None]
         broken = ~torch.isfinite(logits).all(-1)
-        n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens), broken)
+        n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens), broken, first_pos=lens)
         self.tokens[slot_t, lens] = first
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
@@ -329,18 +329,19 @@ class Engine:
             self.active.copy_(active)
         return price.CostModel([self.S + B for B in budgets], times)
 
-    def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor, broken: Tensor) -> tuple[Tensor, Tensor]:
-        """Truncate each row's emitted tokens at a stop token, at max_tokens and at the cache's
-        end; a broken row keeps none. Returns the count kept [R] and the finish code [R]
-        (0 running, 1 stop, 2 length, 3 error)."""
+    def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor, broken: Tensor,
+                    first_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Truncate each row's emitted tokens (the first at position `first_pos`) at a stop
+        token, at max_tokens and at max_seq_len; a broken row keeps none. Returns the count
+        kept [R] and the finish code [R] (0 running, 1 stop, 2 length, 3 error)."""
         Q = out.shape[1]
         col = torch.arange(Q, device=out.device)[None, :]
         is_stop = (out[:, :, None] == self.stop_ids[slot][:, None, :]).any(-1) & (col < n_out[:, None])
         n_stop = torch.where(is_stop.any(-1), is_stop.long().argmax(-1) + 1, Q + 1)
-        limit = torch.minimum(self.max_new[slot] - self.n_gen[slot], self.L - 1 - self.lens[slot])
+        limit = torch.minimum(self.max_new[slot] - self.n_gen[slot], self.L - first_pos)
         n = torch.minimum(torch.minimum(n_out, limit), n_stop)
         stopped = n_stop <= n
-        full = (self.n_gen[slot] + n >= self.max_new[slot]) | (self.lens[slot] + n >= self.L - 1)
+        full = (self.n_gen[slot] + n >= self.max_new[slot]) | (first_pos + n >= self.L)
         finish = torch.where(stopped, 1, torch.where(full, 2, 0))
         finish = torch.where(broken, 3, finish)
         return torch.where(broken, 0, n), torch.where(n_out > 0, finish, 0)
@@ -356,7 +357,7 @@ class Engine:
         """Append the kept tokens to each slot's history, advance lens and the anchor."""
         Q, L = out.shape[1], self.L
         rows = torch.arange(R, device=self.device)
-        n, finish = self.finish_rule(rows, out, n_out, broken)
+        n, finish = self.finish_rule(rows, out, n_out, broken, first_pos=self.lens[:R] + 1)
         col = torch.arange(Q, device=self.device)[None, :]
         lens = self.lens[:R]
         at = torch.where(col < n[:, None], lens[:, None] + 1 + col, L + col)  # [R, Q]
@@ -508,9 +509,10 @@ class LLM:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {V}): {bad[:5]}")
         else:
             raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
-        if len(ids) > L - 2:
+        if len(ids) > L - 1:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_seq_len={L} allows "
-                             f"({L - 2}); raise max_seq_len or shorten the prompt")
+                             f"({L - 1}, leaving room for one generated token); raise max_seq_len or "
+                             f"shorten the prompt")
         return ids
 
     # -- the host loop --------------------------------------------------------------------------
@@ -585,8 +587,6 @@ class LLM:
                 continue
             o = req.out
             o.num_steps += count_step
-            o.accepted[SOURCES[source[i]]] += n_draft[i]
-            o.accepted["target"] += n[i] - n_draft[i]
             reason = FINISH.get(finish[i])
             if reason == "error":
                 o.error = NON_FINITE
@@ -594,6 +594,7 @@ class LLM:
                 yield Delta(o, self._flush(req), "target")
                 continue
             for j, tok in enumerate(tokens[i][: n[i]]):
+                o.accepted[SOURCES[source[i]] if j < n_draft[i] else "target"] += 1
                 stopped = self._append(req, tok)
                 if stopped or (reason and j == n[i] - 1):
                     self._finish(req, slot, "stop" if stopped else reason)
