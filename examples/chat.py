@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minispark import LLM, SamplingParams  # noqa: E402
@@ -42,17 +44,17 @@ class Chat:
 
     def ask(self, text: str) -> None:
         """Stream one answer; Ctrl-C keeps what was said so far and returns to the prompt."""
-        self.history.append({"role": "user", "content": text})
-        ids = self.llm.tokenizer.encode_chat(self.history)
+        history = self.history + [{"role": "user", "content": text}]  # kept only if it is answered
+        ids = self.llm.tokenizer.encode_chat(history)
         start, answer, out = time.perf_counter(), "", None
         try:
             for piece in self.llm.stream([ids], self.params):
                 out, answer = piece.output, answer + piece.text
-                console.print(piece.text, end="", soft_wrap=True)
+                console.print(Text(piece.text), end="", soft_wrap=True)  # model text, not markup
         except KeyboardInterrupt:
             console.print(" [dim](stopped)[/]", end="")
         console.print()
-        self.history.append({"role": "assistant", "content": answer})
+        self.history = history + [{"role": "assistant", "content": answer}]
         if out is not None:
             console.print(status_line(out, time.perf_counter() - start), style="dim")
 
@@ -90,17 +92,17 @@ def repl(chat: Chat) -> None:
                 console.print("[dim](conversation cleared)[/]")
             elif cmd == "/spec":
                 chat.switch(arg.strip())
-                console.print(f"[dim](spec={arg.strip()})[/]")
+                console.print(f"[dim](spec={escape(arg.strip())})[/]")
             elif cmd == "/stats":
                 chat.stats()
             elif cmd == "/help":
                 console.print(HELP)
             elif cmd.startswith("/"):
-                console.print(f"[red]unknown command {cmd}[/]; {HELP}")
+                console.print(f"[red]unknown command {escape(cmd)}[/]; {HELP}")
             else:
                 chat.ask(line)
         except ValueError as e:
-            console.print(f"[red]error:[/] {e}")
+            console.print(f"[red]error:[/] {escape(str(e))}")
 
 
 def main() -> int:
@@ -111,6 +113,8 @@ def main() -> int:
     ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
                     "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
     ap.add_argument("--system", default=None, help="system message")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                    help="weights and activations (float32 is exact but about twice as slow on a CPU)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -123,14 +127,15 @@ def main() -> int:
     except ValueError as e:
         ap.error(str(e))
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=a.max_seq_len, trace=a.trace)
+        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=a.max_seq_len, dtype=a.dtype,
+                  trace=a.trace)
     chat = Chat(llm, params, a.system)
     if a.prompt is not None:
         chat.ask(a.prompt)
     elif not sys.stdin.isatty():
         for line in sys.stdin:
             if line.strip():
-                console.print(f"[bold cyan]> [/]{line.strip()}")
+                console.print(f"[bold cyan]> [/]{escape(line.strip())}")
                 chat.ask(line.strip())
     else:
         repl(chat)
@@ -141,7 +146,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except (ValueError, RuntimeError, OSError) as e:
-        Console(stderr=True).print(f"[red]error:[/] {e}")
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

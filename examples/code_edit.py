@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.text import Text
 
@@ -66,6 +67,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
     ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
                     "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                    help="weights and activations (float32 is exact but about twice as slow on a CPU)")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--compare", action="store_true", help='also run spec="off" and report the speed-up')
     ap.add_argument("--write", action="store_true", help="save the edited code back to FILE")
@@ -86,8 +89,8 @@ def main() -> int:
     instruction = a.instruction or "Rename the function `count_words` to `word_counts`."
 
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=4096, trace=a.trace)
-    console.rule(f"[bold]{instruction}[/]  (spec={a.spec})")
+        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=4096, dtype=a.dtype, trace=a.trace)
+    console.rule(f"[bold]{escape(instruction)}[/]  (spec={a.spec})")
     answer, seconds, stats = edit(llm, code, instruction, a.max_tokens, show=True)
     new = extract_code(answer)
     console.rule("diff")
@@ -115,7 +118,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except (ValueError, RuntimeError, OSError) as e:
-        Console(stderr=True).print(f"[red]error:[/] {e}")
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
