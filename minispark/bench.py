@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", default=None, help="a trace file written by LLM(trace=...) or the examples' --trace")
     ap.add_argument("--request", type=int, default=None, help="the request of --trace to draw (default: the first)")
     a = ap.parse_args(argv)
+    if a.plot:
+        _pyplot()  # fail now, not after the run, when matplotlib is missing
     if a.trace:
         plot_trace(a.trace, a.request, a.plot or "trace.png")
         console.print(f"wrote {a.plot or 'trace.png'}")
