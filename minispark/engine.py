@@ -144,6 +144,7 @@ class Engine:
         # token of a chain and for the tokens after an accepted one: the acceptance estimates,
         # learnt online from this engine's own steps.
         self.ng_counts = zeros(self.ngram.n_max + 1, 2, 2, dtype=torch.float)  # [m, first|rest, acc|rej]
+        self.ng_prior = torch.tensor(self.PRIOR, device=dev)  # made once: no host copy inside the step
         self._step = self.decode_step
         if compile:
             # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
@@ -251,7 +252,7 @@ class Engine:
         if self.K == 0:
             return torch.zeros(m.shape[0], 0, device=self.device)
         counts = self.ng_counts[m]  # [R, 2, 2]
-        prior = torch.tensor(self.PRIOR, device=counts.device)
+        prior = self.ng_prior
         c = (counts[..., 0] + prior[:, 0]) / (counts.sum(-1) + prior.sum(-1))  # [R, 2]
         conf = torch.cat([c[:, :1], c[:, 1:].expand(-1, self.K - 1)], dim=1)  # [R, K]
         return price.survival(conf, valid)
