@@ -232,7 +232,9 @@ class Engine:
         if self.K == 0:
             zero = torch.zeros(R, dtype=torch.long, device=self.device)
             return zero[:, None][:, :0], zero, zero
-        hist_len = self.lens[:R] + 1  # the anchor next_tok sits at tokens[lens]
+        # The anchor next_tok sits at tokens[lens]. An idle row may hold a finished request
+        # longer than this step's attended prefix: it matches nothing.
+        hist_len = torch.where(self.active[:R], self.lens[:R] + 1, 0)
         draft, valid, m = self.ngram(self.tokens[:R, :ctx], hist_len)
         # Room in the cache: the chain and the token after it must fit below L.
         valid = torch.minimum(valid, (self.L - 2 - self.lens[:R]).clamp(min=0))

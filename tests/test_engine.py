@@ -275,3 +275,15 @@ def test_non_finite_logits_stop_only_the_affected_request():
 def test_a_cache_that_cannot_fit_is_refused_up_front():
     with pytest.raises(ValueError, match="lower max_seq_len or max_batch_size"):
         tiny_llm("off", max_batch_size=64, max_seq_len=50_000_000)
+
+
+def test_an_idle_slot_longer_than_the_attended_prefix_is_harmless():
+    # Slot 0 finishes a long prompt early and stays idle while slot 1 runs on: the step then
+    # attends a prefix shorter than slot 0's stale history, which the drafter must not index.
+    llm = tiny_llm("ngram", max_batch_size=2, max_seq_len=1024)
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)]
+    outs = llm.generate(["x" * 700, "abcab"], params)
+    alone = tiny_llm("off", max_seq_len=1024).generate("abcab", params[1])[0]
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[1].token_ids == alone.token_ids
