@@ -1,4 +1,4 @@
-"""Drafters: the model-free n-gram matcher (and, later, the Spark drafter).
+"""Drafters: the model-free n-gram matcher and the model-based Spark drafter.
 
 Both run on every slot at once with static shapes and no host sync.
 """
@@ -7,7 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
+
+from .model import FeedForward, ModelArgs, RMSNorm, apply_rope, rope_frequencies
 
 
 @dataclass
@@ -52,3 +56,212 @@ class NgramDrafter:
         draft = tokens.gather(1, at.clamp(max=C - 1))
         valid = torch.where(best_n > 0, (hist_len - best_start).clamp(0, self.k), 0)
         return draft, valid, best_n
+
+
+# ----------------------------------------------------------------------------- Spark
+
+
+@dataclass
+class SparkArgs:
+    """The drafter's shape. Attention and MLP sizes are the target's, so draft layers can start
+    from a copy of a target layer; the drafter borrows the target's embedding and LM head."""
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    norm_eps: float = 1e-5
+    target_layers: tuple[int, ...] = (1, 8, 15, 22, 29)  # features read, shallow to deep
+    n_layers: int = 1
+    block: int = 7  # g: the anchor and g - 1 masks give g drafted tokens
+    rank: int = 128  # of the Markov head
+    draft_vocab: int = 8192  # tokens the drafter can propose (the target's most frequent)
+
+    @classmethod
+    def for_target(cls, a: ModelArgs, **kw) -> "SparkArgs":
+        return cls(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, a.vocab_size, a.norm_eps, **kw)
+
+    def as_model_args(self) -> ModelArgs:
+        return ModelArgs(vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+                         n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                         intermediate_size=self.intermediate_size, norm_eps=self.norm_eps)
+
+
+class DraftAttention(nn.Module):
+    """A block of queries attending to context keys (given) and to the block itself, both ways."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.k_cache: Tensor | None = None  # [S + 1, L, Hkv, D] keys of the context; row S is scratch
+        self.v_cache: Tensor | None = None
+
+    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values [..., Hkv, D] of fused target features ctx [..., dim]."""
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        _, k, v = self.wqkv(ctx).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        k = apply_rope(k.unflatten(-1, (Hkv, D)), cos, sin)
+        return k, v.unflatten(-1, (Hkv, D))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+        # x [B, Q, dim]; ctx_k/v [B, C, Hkv, D]; mask [B, 1, Q, C + Q]
+        B, Q, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, Q, H, D), cos, sin)
+        k = apply_rope(k.view(B, Q, Hkv, D), cos, sin)
+        keys = torch.cat([ctx_k.to(q.dtype), k], dim=1).transpose(1, 2)  # [B, Hkv, C + Q, D]
+        vals = torch.cat([ctx_v.to(q.dtype), v.view(B, Q, Hkv, D)], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=Hkv != H)
+        return self.wo(out.transpose(1, 2).reshape(B, Q, H * D))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = DraftAttention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, ctx_k, ctx_v, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class SparkDrafter(nn.Module):
+    """One parallel pass drafts a block of g tokens and scores each one's chance of acceptance.
+
+    Context: hidden states of a few target layers at committed positions, concatenated,
+    projected and normalised, then turned into keys/values of every draft layer (cached per
+    slot and position like the target's KV). Block: [anchor, MASK x (g-1)] at positions
+    lens .. lens + g - 1, attending to the context before `lens` and to itself both ways.
+    Heads: the target's own LM head over a reduced draft vocabulary, plus a low-rank Markov
+    term on the previous token (`W1[x_{k-1}] @ W2`), choosing tokens left to right; and a
+    confidence `c_k = P(slot k accepted | slots before it were)`.
+    """
+
+    def __init__(self, args: SparkArgs):
+        super().__init__()
+        self.args = args
+        margs = args.as_model_args()
+        n_feat = len(args.target_layers)
+        self.fuse = nn.Linear(n_feat * args.dim, args.dim, bias=False)
+        self.fuse_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mask_emb = nn.Parameter(torch.zeros(args.dim))
+        self.layers = nn.ModuleList(DraftLayer(margs) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.markov_in = nn.Embedding(args.draft_vocab + 1, args.rank)  # W1; the last row: any other token
+        self.markov_out = nn.Linear(args.rank, args.draft_vocab, bias=False)  # W2
+        nn.init.zeros_(self.markov_out.weight)
+        self.conf = nn.Linear(args.dim + args.rank, 1)
+        self.register_buffer("d2t", torch.arange(args.draft_vocab))  # draft id -> target id
+        self.register_buffer("conf_temp", torch.ones(args.block))  # calibration, one per position
+        self.register_buffer("inv_freq", rope_frequencies(margs), persistent=False)
+        # Borrowed from the target by `attach`, frozen and not saved with the drafter.
+        self.embed: nn.Embedding | None = None
+        self.register_buffer("head", torch.empty(0), persistent=False)  # [Vd, dim] target LM head rows
+        self.register_buffer("t2d", torch.empty(0, dtype=torch.long), persistent=False)  # [V] -> [0, Vd]
+
+    def attach(self, target: nn.Module) -> "SparkDrafter":
+        """Borrow the target's embedding and the LM head rows of the draft vocabulary."""
+        self.embed = target.tok_embeddings
+        self.head = target.output.weight.detach()[self.d2t].clone()
+        t2d = torch.full((self.args.vocab_size,), self.args.draft_vocab, dtype=torch.long, device=self.d2t.device)
+        self.t2d = t2d.scatter(0, self.d2t, torch.arange(self.args.draft_vocab, device=self.d2t.device))
+        return self
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> None:
+        a = self.args
+        shape = (max_batch_size + 1, max_seq_len, a.n_kv_heads, a.head_dim)
+        for layer in self.layers:
+            layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=self.d2t.device)
+            layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=self.d2t.device)
+
+    def rope(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = pos.float()[..., None] * self.inv_freq  # [..., D/2]
+        return freqs.cos()[..., None, :].to(dtype), freqs.sin()[..., None, :].to(dtype)
+
+    def context(self, feats: Tensor) -> Tensor:
+        """Fused context [..., dim] of target features [..., n_feat, dim]."""
+        return self.fuse_norm(self.fuse(feats.flatten(-2).to(self.fuse.weight.dtype)))
+
+    def write_context(self, feats: Tensor, slot: Tensor, pos: Tensor) -> None:
+        """Store the context keys/values of tokens the target has just seen, at (slot, pos);
+        positions that are later rejected are masked and then overwritten, as in the target."""
+        ctx = self.context(feats)  # [T, dim]
+        cos, sin = self.rope(pos, ctx.dtype)
+        for layer in self.layers:
+            att = layer.attention
+            k, v = att.context_kv(ctx, cos, sin)
+            att.k_cache.index_put_((slot, pos), k.to(att.k_cache.dtype))
+            att.v_cache.index_put_((slot, pos), v.to(att.v_cache.dtype))
+
+    def block_states(self, anchor: Tensor, pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], ctx_mask: Tensor) -> Tensor:
+        """Hidden states [B, Q, dim] of blocks [anchor, MASK x (g-1)].
+
+        anchor [B, A] (A blocks per row, Q = A * g queries), pos [B, A] the anchors' positions,
+        ctx_kv per layer ([B, C, Hkv, D] keys, values), ctx_mask [B, A, C]: context each block sees."""
+        B, A = anchor.shape
+        g = self.args.block
+        x = self.mask_emb.expand(B, A, g, -1).clone()
+        x[:, :, 0] = self.embed(anchor).to(x.dtype)
+        x = x.flatten(1, 2)  # [B, Q, dim]
+        qpos = (pos[:, :, None] + torch.arange(g, device=pos.device)).flatten(1)  # [B, Q]
+        cos, sin = self.rope(qpos, x.dtype)
+        same = torch.eye(A, dtype=torch.bool, device=pos.device).repeat_interleave(g, 0).repeat_interleave(g, 1)
+        mask = torch.cat([ctx_mask.repeat_interleave(g, 1), same.expand(B, -1, -1)], dim=-1)[:, None]
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def logits(self, h: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
+        """Draft logits [..., Vd] and confidence logits [...] of states h [..., dim] after the
+        previous token prev [...] (target ids)."""
+        w1 = self.markov_in(self.t2d[prev])  # [..., r]
+        logits = F.linear(h, self.head.to(h.dtype)).float() + self.markov_out(w1).float()
+        conf = self.conf(torch.cat([h, w1.to(h.dtype)], dim=-1)).float()[..., 0]
+        return logits, conf
+
+    def draft(self, anchor: Tensor, lens: Tensor, ctx: int, temperature: Tensor | None = None,
+              u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """Draft a block for rows [0, R): anchor and lens [R], attending to the cached context
+        before `lens` within the first `ctx` positions.
+
+        Returns tokens [R, g] (target ids), conf [R, g] (calibrated acceptance estimates along
+        the greedy path, which depends on the context alone) and, when sampling (temperature
+        [R] and uniforms u [R, g, Vd] given), the sampled tokens [R, g] with their draft
+        distributions q [R, g, Vd]. At temperature 0 rows, sampled = greedy."""
+        R, g = anchor.shape[0], self.args.block
+        kpos = torch.arange(ctx, device=lens.device)
+        ctx_mask = (kpos[None, :] < lens[:, None])[:, None, :]  # [R, 1, C]
+        ctx_kv = [(l.attention.k_cache[:R, :ctx], l.attention.v_cache[:R, :ctx]) for l in self.layers]
+        h = self.block_states(anchor[:, None], lens[:, None], ctx_kv, ctx_mask)  # [R, g, dim]
+        greedy, conf_logit = self.chain(h, anchor, None, None)
+        conf = torch.sigmoid(conf_logit / self.conf_temp)
+        if temperature is None:
+            return greedy, conf, None, greedy
+        sampled, q = self.chain(h, anchor, temperature, u)
+        return greedy, conf, q, sampled
+
+    def chain(self, h: Tensor, anchor: Tensor, temperature: Tensor | None, u: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Choose tokens left to right: each one's logits add the Markov term of the one before.
+        Greedy (temperature None): returns tokens and confidence logits; sampling: tokens and
+        their distributions q."""
+        prev, toks, extra = anchor, [], []
+        for k in range(self.args.block):
+            logits, conf = self.logits(h[:, k], prev)  # [R, Vd], [R]
+            if temperature is None:
+                d = logits.argmax(-1)
+                extra.append(conf)
+            else:
+                greedy = temperature <= 0
+                q = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
+                d = torch.where(greedy, logits.argmax(-1), (q / -torch.log(u[:, k])).argmax(-1))
+                extra.append(torch.where(greedy[:, None], F.one_hot(d, q.shape[-1]).to(q.dtype), q))
+            prev = self.d2t[d]
+            toks.append(prev)
+        return torch.stack(toks, 1), torch.stack(extra, 1)

@@ -12,18 +12,19 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from . import price, verify
-from .drafters import NgramDrafter
+from .drafters import NgramDrafter, SparkDrafter
 from .model import Batch, Transformer
 from .tokenizer import Tokenizer
-from .weights import load_model
+from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table
 
-SPEC_MODES = ("off", "ngram")
+SPEC_MODES = ("off", "ngram", "spark", "hybrid")
 SOURCES = ("ngram", "spark", "target")
 MAX_STOP_IDS = 8
 FINISH = {1: "stop", 2: "length", 3: "error"}
@@ -117,19 +118,35 @@ class StepOut:
 # ----------------------------------------------------------------------------- the device engine
 
 
+class Drafts(NamedTuple):
+    """Both drafters' chains for rows [0, R), padded to one width W, with survival estimates."""
+    ngram: Tensor  # [R, W] n-gram tokens
+    ngram_a: Tensor  # [R, W] their survival (0 past the valid length)
+    m: Tensor  # [R] match lengths
+    spark: Tensor  # [R, W] Spark tokens to verify (sampled when sampling)
+    spark_a: Tensor  # [R, W] survival along Spark's greedy path (depends on the context alone)
+    spark_q: Tensor | None  # [R, W, Vd] draft distributions of the sampled tokens
+
+
 class Engine:
     """Device state for `S` slots of up to `L` tokens, and the step that advances them."""
 
     def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 32,
-                 ngram: NgramDrafter | None = None, draft_budget: int = 64, compile: bool = False):
+                 ngram: NgramDrafter | None = None, spark: SparkDrafter | None = None,
+                 ngram_table: Tensor | None = None, draft_budget: int = 64, compile: bool = False):
         self.model, self.spec = model.requires_grad_(False), spec
         S, L = self.S, self.L = max_batch_size, max_seq_len
-        self.ngram = ngram or NgramDrafter(k=ngram_k)
-        self.K = self.ngram.k if spec != "off" else 0
-        self.draft_budget = draft_budget if self.K else 0
         dev = self.device = model.tok_embeddings.weight.device
-        check_memory(model, S, L, dev)
+        self.ngram = (ngram or NgramDrafter(k=ngram_k)) if spec in ("ngram", "hybrid") else None
+        self.spark = spark.to(dev).requires_grad_(False).attach(model) if spec in ("spark", "hybrid") else None
+        if spec in ("spark", "hybrid") and spark is None:
+            raise ValueError(f'spec="{spec}" needs a Spark drafter for this model (drafter=PATH)')
+        self.K = max(self.ngram.k if self.ngram else 0, self.spark.args.block if self.spark else 0)
+        self.draft_budget = draft_budget if self.K else 0
+        check_memory(model, S, L, dev, self.spark)
         model.setup_cache(S, L)
+        if self.spark:
+            self.spark.setup_cache(S, L, model.tok_embeddings.weight.dtype)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=dev)
@@ -140,11 +157,10 @@ class Engine:
         self.temperature, self.top_p = zeros(S, dtype=torch.float), torch.ones(S, device=dev)
         self.top_k, self.seed = zeros(S), zeros(S)
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
-        # Decayed counts of accepted and rejected n-gram tokens by match length, for the first
-        # token of a chain and for the tokens after an accepted one: the acceptance estimates,
-        # learnt online from this engine's own steps.
-        self.ng_counts = zeros(self.ngram.n_max + 1, 2, 2, dtype=torch.float)  # [m, first|rest, acc|rej]
-        self.ng_prior = torch.tensor(self.PRIOR, device=dev)  # made once: no host copy inside the step
+        if self.ngram:
+            table = ngram_table if ngram_table is not None else price.default_ngram_table(self.ngram.n_max, self.ngram.k)
+            self.ng_table = price.fit_table_width(table, self.ngram.k).to(dev)  # [F, m, K]
+            self.ng_last = zeros(S)  # how the slot's last n-gram proposal fared: the table's first index
         self._step = self.decode_step
         if compile:
             # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
@@ -161,6 +177,8 @@ class Engine:
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
         self.tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        if self.ngram:
+            self.ng_last[slot] = 0
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
@@ -178,7 +196,9 @@ class Engine:
             row_slot=slot_t, n_cols=Qp, ctx_len=min(self.L, round_up(Qp, 64)),
         )
         last = torch.tensor(list(itertools.accumulate(lengths)), device=dev) - 1
-        logits, _ = self.model(b, logits_at=last)  # [R, V]
+        logits, hidden = self.model(b, logits_at=last, hidden_layers=self.feature_layers())  # [R, V]
+        if self.spark:
+            self.spark.write_context(hidden, b.slot, b.pos)
         lens = torch.tensor(lengths, device=dev)
         first = self.sample(logits, slot_t, lens, sampling)
         self.lens[slot_t], self.next_tok[slot_t] = lens, first
@@ -191,8 +211,12 @@ class Engine:
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
         zero = torch.zeros_like(lens)
-        prior = self.survival(torch.zeros_like(lens), torch.full_like(lens, self.K))  # m = 0: unknown
-        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, prior, zero)
+        # Until a step has run, the host budgets with a guess: every chain token even odds.
+        guess = torch.full((R, self.K), 0.5, device=dev).cumprod(-1)
+        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, guess, zero)
+
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.spark.args.target_layers if self.spark else ()
 
     def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool) -> Tensor:
         """The target's own token for each row of logits [N, V] (greedy unless `sampling`)."""
@@ -214,60 +238,49 @@ class Engine:
         R, budget (draft tokens verified, batch-wide), width (the longest chain), ctx (attended
         cache prefix) and sampling are chosen by the host from what it already knows, so each
         combination is one static graph; nothing here reads a tensor value on the host."""
-        draft, valid, m = self.draft(R, ctx)  # [R, K], [R], [R] match lengths
-        a = self.survival(m, valid)  # [R, K]
+        d = self.draft(R, ctx, sampling)
+        use_spark, a = price.choose_chains(d.ngram_a, d.spark_a, budget)  # [R], [R, W]
         length = price.admit_top(a[:, :width], budget)  # [R], at most `width` each
-        batch = self.pack(R, draft[:, :width], length, ctx, budget)
-        logits, _ = self.model(batch)  # [T, V]
-        out, n_out = self.accept(logits, batch, draft[:, :width], length, sampling)
+        chain = torch.where(use_spark[:, None], d.spark, d.ngram)[:, :width]  # [R, width]
+        batch = self.pack(R, chain, length, ctx, budget)
+        logits, hidden = self.model(batch, hidden_layers=self.feature_layers())  # [T, V], [T, F, dim]
+        q = None if d.spark_q is None else torch.where(use_spark[:, None, None], d.spark_q[:, :width], 0.0)
+        out, n_out = self.accept(logits, batch, chain, q, use_spark, length, sampling)
         n_out = torch.where(self.active[:R], n_out, 0)
         n, finish = self.commit(R, out, n_out, self.non_finite(logits, batch, R))
-        self.learn(m, length, n_out - 1)
+        if self.spark:
+            self.spark.write_context(hidden, batch.slot, batch.pos)
+        if self.ngram:
+            self.ng_last[:R] = price.ngram_outcome(d.ngram, d.ngram_a[:, 0] > 0, out, n_out, self.ng_last[:R])
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
-        source = torch.where(length > 0, SOURCES.index("ngram"), SOURCES.index("target"))
-        return StepOut(out, n, n_draft, source, finish, self.survival(m, valid), length)
+        source = torch.where(length == 0, SOURCES.index("target"),
+                             torch.where(use_spark, SOURCES.index("spark"), SOURCES.index("ngram")))
+        return StepOut(out, n, n_draft, source, finish, a, length)
 
-    def draft(self, R: int, ctx: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Proposals [R, K], their valid lengths [R] and match lengths [R]."""
-        if self.K == 0:
-            zero = torch.zeros(R, dtype=torch.long, device=self.device)
-            return zero[:, None][:, :0], zero, zero
-        # The anchor next_tok sits at tokens[lens]. An idle row may hold a finished request
-        # longer than this step's attended prefix: it matches nothing.
-        hist_len = torch.where(self.active[:R], self.lens[:R] + 1, 0)
-        draft, valid, m = self.ngram(self.tokens[:R, :ctx], hist_len)
-        # Room in the cache: the chain and the token after it must fit below L.
-        valid = torch.minimum(valid, (self.L - 2 - self.lens[:R]).clamp(min=0))
-        valid = torch.where(self.active[:R], valid, 0)
-        return draft, valid, m
-
-    # Beta priors (accepted, rejected) of the first copied token and of each later one. A copy
-    # is mostly all right (the output repeats the input) or wrong from its first token, so the
-    # first token is far less certain than the ones after an accepted token.
-    PRIOR = ((1.0, 2.0), (3.0, 1.0))
-    DECAY = 0.98  # per step: the estimates follow the workload
-
-    def survival(self, m: Tensor, valid: Tensor) -> Tensor:
-        """a [R, K]: the first copied token of a match of length m is accepted with rate
-        c1(m), each later one (given the one before) with c2(m), so a_j = c1 c2^(j-1). Both read
-        past steps only (until calibrated per-position estimates exist)."""
-        if self.K == 0:
-            return torch.zeros(m.shape[0], 0, device=self.device)
-        counts = self.ng_counts[m]  # [R, 2, 2]
-        prior = self.ng_prior
-        c = (counts[..., 0] + prior[:, 0]) / (counts.sum(-1) + prior.sum(-1))  # [R, 2]
-        conf = torch.cat([c[:, :1], c[:, 1:].expand(-1, self.K - 1)], dim=1)  # [R, K]
-        return price.survival(conf, valid)
-
-    def learn(self, m: Tensor, length: Tensor, accepted: Tensor) -> None:
-        """Fold this step's n-gram outcomes into the estimates of their match lengths: the first
-        token accepted or not, then the later ones accepted and whether one was rejected."""
-        tried = (length > 0).float()[:, None, None]
-        first = torch.stack([(accepted > 0).float(), (accepted == 0).float()], -1)  # [R, 2]
-        rest = torch.stack([(accepted - 1).clamp(min=0).float(),
-                            ((accepted > 0) & (accepted < length)).float()], -1)  # [R, 2]
-        outcome = torch.stack([first, rest], dim=1) * tried  # [R, 2, 2]
-        self.ng_counts.mul_(self.DECAY).index_add_(0, m, outcome)
+    def draft(self, R: int, ctx: int, sampling: bool) -> Drafts:
+        """Both drafters on every row (the ones this mode uses), padded to the width K."""
+        dev, K = self.device, self.K
+        # Room in the cache: a chain and the token after it must fit below L.
+        room = torch.where(self.active[:R], (self.L - 2 - self.lens[:R]).clamp(min=0), 0)
+        zeros = torch.zeros(R, K, device=dev)
+        ng_tok, ng_a, m = zeros.long(), zeros, torch.zeros(R, dtype=torch.long, device=dev)
+        if self.ngram:
+            # The anchor next_tok sits at tokens[lens]. An idle row may hold a finished request
+            # longer than this step's attended prefix: it matches nothing.
+            hist_len = torch.where(self.active[:R], self.lens[:R] + 1, 0)
+            tok, valid, m = self.ngram(self.tokens[:R, :ctx], hist_len)
+            valid = torch.minimum(valid, room)
+            conf = self.ng_table[self.ng_last[:R], m]  # [R, k]: calibrated P(token j ok | < j ok)
+            ng_tok, ng_a = pad(tok, K), pad(price.survival(conf, valid), K)
+        sp_tok, sp_a, q = zeros.long(), zeros, None
+        if self.spark:
+            g = self.spark.args.block
+            u = verify.uniform_block(self.seed[:R], self.lens[:R], g, self.spark.args.draft_vocab) if sampling else None
+            greedy, conf, q, sampled = self.spark.draft(self.next_tok[:R], self.lens[:R], ctx,
+                                                        self.temperature[:R] if sampling else None, u)
+            sp_tok, sp_a = pad(sampled, K), pad(price.survival(conf, room.clamp(max=g)), K)
+            q = None if q is None else pad(q, K)
+        return Drafts(ng_tok, ng_a, m, sp_tok, sp_a, q)
 
     def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
         """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed
@@ -290,8 +303,12 @@ class Engine:
             cell=cell, row_slot=slice(0, R), n_cols=Q, ctx_len=ctx,
         )
 
-    def accept(self, logits: Tensor, b: Batch, draft: Tensor, length: Tensor, sampling: bool) -> tuple[Tensor, Tensor]:
-        """Verify every packed position, then read each row's chain off the grid."""
+    def accept(self, logits: Tensor, b: Batch, draft: Tensor, q: Tensor | None, use_spark: Tensor, length: Tensor,
+               sampling: bool) -> tuple[Tensor, Tensor]:
+        """Verify every packed position, then read each row's chain off the grid.
+
+        Greedy: accept while the draft is the target's argmax. Sampling: a Spark token (drawn
+        from q) by rejection sampling; an n-gram copy (a point mass) by sample-and-compare."""
         R, Q = draft.shape[0], draft.shape[1] + 1
         grid_draft = torch.cat([draft, draft.new_zeros(R, 1)], dim=1)  # [R, Q]: next token's draft
         safe = b.cell.clamp(max=R * Q - 1)
@@ -300,6 +317,15 @@ class Engine:
         if sampling:
             probs = verify.target_probs(logits, self.temperature[row], self.top_k[row], self.top_p[row])
             ok, alt = verify.accept_copies(probs, draft_next, self.seed[row], b.pos + 1)
+            if q is not None:
+                # Past the verified length (the bonus position) q = 0: the token there is a plain
+                # sample from p, not from the residual of a draft nobody verified.
+                col = torch.arange(Q, device=q.device)[None, :, None]
+                q_grid = torch.cat([q, q.new_zeros(R, 1, q.shape[-1])], dim=1)  # [R, Q, Vd]
+                q_grid = torch.where(col < length[:, None, None], q_grid, 0.0).flatten(0, 1)[safe]  # [T, Vd]
+                q_full = torch.zeros_like(probs).index_copy(1, self.spark.d2t, q_grid.to(probs.dtype))
+                ok_sp, alt_sp = verify.accept_tokens(probs, draft_next, q_full, self.seed[row], b.pos + 1)
+                ok, alt = torch.where(use_spark[row], ok_sp, ok), torch.where(use_spark[row], alt_sp, alt)
         else:
             alt = logits.argmax(-1)
             ok = alt == draft_next
@@ -401,12 +427,14 @@ class LLM:
     def __init__(self, model: str | None = None, spec: str = "off", max_batch_size: int = 8,
                  max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
                  seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool = False,
-                 cost: price.CostModel | None = None, trace: str | None = None):
-        """model: a checkpoint folder or .gguf (None = the demo model). ngram_k: the longest
-        n-gram chain; draft_budget: the most draft tokens verified per step, batch-wide;
-        compile: torch.compile the decode step (the GPU path; eager is faster to start on a CPU);
-        cost: a step-time table (profiled on this device at start-up when None); trace: a file
-        that gets one JSON line per step (each slot's chain, estimates, verified and accepted)."""
+                 cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None):
+        """model: a checkpoint folder or .gguf (None = the demo model). spec: "off", "ngram",
+        "spark" or "hybrid". drafter: a folder with a Spark drafter and n-gram table for this
+        model (the shipped one for the demo model). ngram_k: the longest n-gram chain;
+        draft_budget: the most draft tokens verified per step, batch-wide; compile: torch.compile
+        the decode step (the GPU path; eager is faster to start on a CPU); cost: a step-time
+        table (profiled on this device at start-up when None); trace: a file that gets one JSON
+        line per step (each slot's chain, estimates, verified and accepted)."""
         check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -417,20 +445,30 @@ class LLM:
             raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         net, path = load_model(model, dtype=torch_dtype, device=device)
-        engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, draft_budget=draft_budget,
-                        compile=compile)
+        if drafter is None and model is None:
+            drafter = DEMO_DRAFTER
+        spark, table = load_drafters(spec, drafter, net)
+        engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, spark=spark, ngram_table=table,
+                        draft_budget=draft_budget, compile=compile)
         self._setup(engine, Tokenizer.from_path(path), seed, cost, trace)
 
     @classmethod
     def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
                    max_seq_len: int = 4096, seed: int = 0, ngram_k: int = 32, draft_budget: int = 64,
-                   compile: bool = False, cost: price.CostModel | None = None, trace: str | None = None) -> "LLM":
+                   compile: bool = False, cost: price.CostModel | None = None, trace: str | None = None,
+                   drafter: SparkDrafter | str | None = None, ngram_table: Tensor | None = None) -> "LLM":
         """An LLM around an already built model and tokenizer (tests use tiny random models).
         The model's KV cache is re-allocated: one LLM per model at a time."""
         check_spec(spec)
         self = cls.__new__(cls)
-        engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, draft_budget=draft_budget,
-                        compile=compile)
+        spark = drafter if isinstance(drafter, SparkDrafter) else None
+        if spark is None:
+            spark, table = load_drafters(spec, drafter, net)
+            ngram_table = table if ngram_table is None else ngram_table
+        elif spec not in ("spark", "hybrid"):
+            spark = None
+        engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, spark=spark,
+                        ngram_table=ngram_table, draft_budget=draft_budget, compile=compile)
         self._setup(engine, tokenizer, seed, cost, trace)
         return self
 
@@ -657,11 +695,13 @@ class LLM:
             t[k] += v
 
 
-def check_memory(model: Transformer, S: int, L: int, device: torch.device) -> None:
-    """Refuse a KV cache that cannot fit, before allocating it, saying what to turn down."""
+def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark: SparkDrafter | None = None) -> None:
+    """Refuse KV caches (the target's and the drafter's context) that cannot fit, before
+    allocating them, saying what to turn down."""
     a = model.args
     itemsize = model.tok_embeddings.weight.element_size()
-    need = 2 * a.n_layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
+    layers = a.n_layers + (spark.args.n_layers if spark else 0)
+    need = 2 * layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
@@ -672,10 +712,31 @@ def check_memory(model: Transformer, S: int, L: int, device: torch.device) -> No
                          f"but only {free / gib:.1f} GiB is free on {device}; lower max_seq_len or max_batch_size")
 
 
+def pad(x: Tensor, width: int) -> Tensor:
+    """x [R, k, ...] padded with zeros to [R, width, ...] along dim 1."""
+    if x.shape[1] >= width:
+        return x[:, :width]
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])], dim=1)
+
+
 def chain_width(K: int, budget: int, n_live: int) -> int:
     """The longest chain of a step. The query grid is R x (width + 1), so chains are capped at
     twice a fair share of the budget (at least 8): attention must not grow as R x budget."""
     return min(K, bucket(min(budget, max(8, 2 * budget // max(n_live, 1))), WIDTHS))
+
+
+def load_drafters(spec: str, folder: str | Path | None, net: Transformer) -> tuple[SparkDrafter | None, Tensor | None]:
+    """The Spark drafter and the n-gram table this mode needs, from a drafter folder."""
+    spark = table = None
+    if spec in ("spark", "hybrid"):
+        if folder is None:
+            raise ValueError(f'spec="{spec}" needs a Spark drafter trained for this model: pass drafter=FOLDER '
+                             f'(made by `python -m minispark.train`), or use spec="ngram"')
+        w = net.tok_embeddings.weight
+        spark = load_drafter(folder, net.args, w.dtype, w.device)
+    if spec in ("ngram", "hybrid") and folder is not None and (Path(folder) / "ngram.json").exists():
+        table = load_ngram_table(folder)
+    return spark, table
 
 
 def check_spec(spec: str) -> None:

@@ -74,3 +74,94 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
         if rate > best_rate + 1e-12:
             best, best_rate = B, rate
     return best
+
+
+# ----------------------------------------------------------------------------- the price
+
+
+def price_of(a: Tensor, budget: int) -> Tensor:
+    """lam: the survival of the last pair the top-`budget` admission takes (0 when fewer pairs
+    than that have any chance): the goodput one more verified slot earns elsewhere."""
+    if budget <= 0:
+        return a.new_tensor(float("inf"))
+    flat = a.flatten()
+    return flat.topk(min(budget, flat.numel())).values[-1]
+
+
+def net_value(a: Tensor, lam: Tensor) -> Tensor:
+    """max_l sum_{j<=l} (a_j - lam) per row [R]: survival never increases along a chain, so the
+    best l stops where a_j falls below the price."""
+    return (a - lam).clamp(min=0).sum(-1)
+
+
+def admitted_value(a: Tensor, budget: int) -> Tensor:
+    """Expected accepted draft tokens of the top-`budget` admission over chains a [R, W]."""
+    flat = a.flatten()
+    return flat.topk(min(max(budget, 0), flat.numel())).values.sum()
+
+
+def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int, rounds: int = 2) -> tuple[Tensor, Tensor]:
+    """Each row takes the chain with the larger net value at the price; returns use_spark [R]
+    and the chosen survival [R, W]. The price starts from the Spark-only admission and is read
+    again over the chosen chains; of the choices the rounds make (a fixed count keeps the step
+    static), the one whose top-`budget` admission expects the most accepted tokens is kept.
+
+    Why sampling stays lossless: both inputs are known before any draft token is sampled. The
+    n-gram survival reads the history and how earlier proposals fared; Spark's is taken along
+    its greedy path, which depends on the context alone (at temperature 0 the two paths are the
+    same). So the chain chosen, the price and the admitted length are independent of this
+    step's sampled tokens, and each verified token then goes through rejection sampling
+    against the target, which leaves every emitted token distributed exactly as the target's."""
+    lam = price_of(a_spark, budget)
+    best_use = torch.ones(a_spark.shape[0], dtype=torch.bool, device=a_spark.device)
+    best_value = admitted_value(a_spark, budget)
+    for _ in range(rounds):
+        v_sp, v_ng = net_value(a_spark, lam), net_value(a_ngram, lam)
+        # Ties go to the chain with the likelier first token ([:, :1] also holds for empty chains).
+        use = (v_sp > v_ng) | ((v_sp == v_ng) & (a_spark[:, :1].sum(-1) >= a_ngram[:, :1].sum(-1)))
+        chosen = torch.where(use[:, None], a_spark, a_ngram)
+        value = admitted_value(chosen, budget)
+        better = value > best_value
+        best_use, best_value = torch.where(better, use, best_use), torch.where(better, value, best_value)
+        lam = price_of(chosen, budget)
+    # Budgets come in whole tokens, so a threshold can miss the best choice by one row: try
+    # switching each row alone, all at once, and keep the best switch if it gains.
+    R, W = a_spark.shape
+    flip = best_use[None, :] ^ torch.eye(R, dtype=torch.bool, device=a_spark.device)  # [R, R]
+    options = torch.where(flip[..., None], a_spark[None], a_ngram[None]).flatten(1)  # [R, R * W]
+    values = options.topk(min(max(budget, 0), R * W), dim=-1).values.sum(-1)  # [R]
+    i = values.argmax()
+    best_use = torch.where(values[i] > best_value, flip[i], best_use)
+    return best_use, torch.where(best_use[:, None], a_spark, a_ngram)
+
+
+# ----------------------------------------------------------------------------- n-gram calibration
+
+# The table's first index: how the slot's previous n-gram proposal fared against the tokens the
+# step then emitted. A copy that was right last step is likely right again (code edits), one
+# that was wrong is likely wrong again (free text).
+NO_PROPOSAL, WRONG, RIGHT = 0, 1, 2
+
+
+def ngram_outcome(proposal: Tensor, proposed: Tensor, out: Tensor, n_out: Tensor, last: Tensor) -> Tensor:
+    """The new state [R] of each row: NO_PROPOSAL, WRONG or RIGHT by whether its proposal's
+    first token is the one the step emitted first; rows that emitted nothing keep `last`."""
+    right = proposal[:, 0] == out[:, 0]
+    state = torch.where(proposed, torch.where(right, RIGHT, WRONG), NO_PROPOSAL)
+    return torch.where(n_out > 0, state, last)
+
+
+def default_ngram_table(n_max: int, k: int) -> Tensor:
+    """[3, n_max + 1, k] guesses for models without a fitted table: the first copied token is
+    uncertain, later ones (after an accepted one) mostly right, more so after a right copy."""
+    first = torch.tensor([0.3, 0.15, 0.6])[:, None, None]
+    rest = torch.tensor([0.75, 0.6, 0.9])[:, None, None]
+    col = torch.arange(k)[None, None, :]
+    return torch.where(col == 0, first, rest).expand(3, n_max + 1, k).clone()
+
+
+def fit_table_width(table: Tensor, k: int) -> Tensor:
+    """The table cut or extended (repeating its last position) to chains of k tokens."""
+    if table.shape[-1] >= k:
+        return table[..., :k].contiguous()
+    return torch.cat([table, table[..., -1:].expand(*table.shape[:-1], k - table.shape[-1])], -1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-ACCEPT_STREAM, SAMPLE_STREAM = 1, 2
+ACCEPT_STREAM, SAMPLE_STREAM, DRAFT_STREAM = 1, 2, 3
 _M32 = 0xFFFFFFFF
 
 
@@ -30,6 +30,14 @@ def uniform(seed: Tensor, pos: Tensor, stream: int, vocab: int | None = None) ->
     if vocab is not None:
         h = _mix(h[:, None] ^ torch.arange(vocab, device=h.device)[None, :])
     return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def uniform_block(seed: Tensor, lens: Tensor, g: int, vocab: int) -> Tensor:
+    """Uniforms [R, g, vocab] with which a drafter samples the tokens at positions lens + 1 ..
+    lens + g: a stream of their own, so drafts are independent of the verifier's noise."""
+    R = seed.shape[0]
+    pos = (lens[:, None] + 1 + torch.arange(g, device=lens.device)).flatten()
+    return uniform(seed.repeat_interleave(g), pos, DRAFT_STREAM, vocab).view(R, g, vocab)
 
 
 def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

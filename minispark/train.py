@@ -1,0 +1,484 @@
+"""Distil a Spark drafter from its target, calibrate it, and fit the n-gram calibration table.
+
+    python -m minispark.train all --out runs/spark --minutes 30     # the whole recipe
+    python -m minispark.train data|features|fit|calibrate|ngram --out runs/spark
+
+Stages (each resumable, each reading the previous one's files in `--out`):
+  data       prompts on many topics, answered greedily by the target itself, plus text it reads
+             (the Python standard library's source and pydoc topics): answers.jsonl, text.jsonl
+  features   one target pass over every document: the hidden states of the drafter's layers and
+             the target's top-k next-token distribution (the teacher): features.pt
+  fit        trains the drafter (0.1 CE + 0.9 TV + BCE(conf, 1 - TV), decaying position weights)
+             from a resumable checkpoint: ckpt.pt
+  calibrate  per-position temperatures of the confidences, fitted left to right on held-out text,
+             and the acceptance and ECE they give: writes the shipped drafter folder
+  ngram      logs the n-gram drafter's proposals on held-out answers and fits the table
+             P(token j accepted | tokens < j accepted, match length m)
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).parent / "data"
+LAYERS = (1, 8, 15, 22, 29)  # target layers whose hidden states feed the drafter
+
+TEMPLATES = (
+    "Explain {t} to a beginner.",
+    "What are three interesting facts about {t}?",
+    "Write a short essay about {t}.",
+    "Give me five practical tips related to {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a short poem about {t}.",
+    "Summarize the history of {t} in one paragraph.",
+    "Write a dialogue between a teacher and a student about {t}.",
+    "Write a Python program related to {t}, with comments.",
+    "Compare {t} and {u}.",
+    "Write a friendly email to a colleague about {t}.",
+    "List common misconceptions about {t} and correct them.",
+)
+
+
+def is_held_out(text: str, share: float = 0.1) -> bool:
+    """A stable split by content: the same document is held out on every machine."""
+    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 2**32 < share
+
+
+# ----------------------------------------------------------------------------- stage: data
+
+
+def topic_prompts(rng: random.Random) -> list[str]:
+    topics = [t for t in (DATA / "topics.txt").read_text().splitlines() if t.strip()]
+    return [tpl.format(t=t, u=rng.choice(topics)) for t in topics for tpl in TEMPLATES]
+
+
+def mbpp_prompts() -> list[str]:
+    lines = (DATA / "mbpp.jsonl").read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines if line.strip()]
+
+
+def stdlib_functions(rng: random.Random, limit: int) -> list[str]:
+    """Small functions of the standard library: material for code-edit requests (the benchmark's
+    code edits come from HumanEval, which training never sees)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    rng.shuffle(files)
+    out = []
+    for f in files:
+        try:
+            src = f.read_text()
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.col_offset == 0:
+                code = ast.get_source_segment(src, node) or ""
+                if 200 < len(code) < 1200:
+                    out.append(code)
+                    break
+        if len(out) >= limit:
+            break
+    return out
+
+
+def code_edit_prompts(rng: random.Random, limit: int = 200) -> list[str]:
+    from .workloads import _local_name, edit_request
+
+    prompts = []
+    for code in stdlib_functions(rng, limit):
+        name = code.split("(")[0].removeprefix("def ").strip()
+        var = _local_name(code, name)
+        choices = [f"Rename the function `{name}` to `{name}_new`.",
+                   "Add a docstring to this function.",
+                   "Add type hints to this function."]
+        if var:
+            choices.append(f"Rename the variable `{var}` to `{var}_value`.")
+        prompts.append(edit_request(code, rng.choice(choices)))
+    return prompts
+
+
+def training_prompts(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    prompts = topic_prompts(rng) + mbpp_prompts() + code_edit_prompts(rng)
+    rng.shuffle(prompts)  # a run stopped early still has a varied share of everything
+    return prompts
+
+
+def reading_texts(max_chars: int = 2000) -> list[str]:
+    """General text the target reads: the standard library's source and pydoc's topic help,
+    cut into pieces of about `max_chars` at line boundaries."""
+    import pydoc_data.topics
+
+    docs = list(pydoc_data.topics.topics.values())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for f in sorted(root.glob("*.py")):
+        try:
+            docs.append(f.read_text())
+        except UnicodeDecodeError:
+            continue
+    pieces = []
+    for doc in docs:
+        buf = ""
+        for line in doc.splitlines(keepends=True):
+            buf += line
+            if len(buf) >= max_chars:
+                pieces.append(buf)
+                buf = ""
+        if len(buf) > 200:
+            pieces.append(buf)
+    return pieces
+
+
+def stage_data(out: Path, minutes: float, batch: int = 16, max_tokens: int = 320) -> None:
+    """Answers of the target to the training prompts, appended to answers.jsonl until the time
+    is up (a later run goes on where this one stopped); and the reading texts."""
+    from rich.progress import Progress
+
+    from .engine import LLM, SamplingParams
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = out / "text.jsonl"
+    if not texts.exists():
+        texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in reading_texts()))
+    answers = out / "answers.jsonl"
+    done = {json.loads(line)["prompt"] for line in answers.open()} if answers.exists() else set()
+    todo = [p for p in training_prompts() if p not in done]
+    llm = LLM(spec="ngram", max_batch_size=batch, max_seq_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    deadline = time.time() + 60 * minutes
+    with Progress() as bar, answers.open("a") as f:
+        task = bar.add_task("target answers", total=len(todo) + len(done), completed=len(done))
+        for i in range(0, len(todo), 4 * batch):
+            if time.time() > deadline:
+                break
+            chunk = todo[i: i + 4 * batch]
+            outs = llm.chat([[{"role": "user", "content": p}] for p in chunk], params)
+            for p, o in zip(chunk, outs):
+                f.write(json.dumps({"prompt": p, "answer_ids": o.token_ids}) + "\n")
+            f.flush()
+            bar.advance(task, len(chunk))
+    n = sum(1 for _ in answers.open())
+    print(f"{n} answers in {answers}, {sum(1 for _ in texts.open())} reading texts in {texts}")
+
+
+# ----------------------------------------------------------------------------- stage: features
+
+TOPK = 16  # the teacher's distribution is kept as its top-k tokens (most of its mass)
+
+
+def documents(out: Path, kind: str, tokenizer, max_text_tokens: int, max_len: int = 1024) -> list[dict]:
+    """Training documents as token ids, each with a stable held-out flag: "answer" = chat
+    transcripts (prompt + the target's answer), "text" = reading texts."""
+    docs = []
+    if kind == "answer":
+        for line in (out / "answers.jsonl").open():
+            r = json.loads(line)
+            ids = tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}]) + r["answer_ids"]
+            docs.append({"ids": ids[:max_len], "held_out": is_held_out(r["prompt"])})
+        return docs
+    budget = max_text_tokens
+    for line in (out / "text.jsonl").open():
+        if budget <= 0:
+            break
+        t = json.loads(line)["text"]
+        ids = tokenizer.encode(t)[:max_len]
+        budget -= len(ids)
+        docs.append({"ids": ids, "held_out": is_held_out(t)})
+    return docs
+
+
+@torch.no_grad()
+def doc_features(model, ids: list[int], layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """One forward of the target over a document: its features and its top-k teacher."""
+    from .model import Batch
+
+    n = len(ids)
+    ar = torch.arange(n)
+    b = Batch(tokens=torch.tensor(ids), slot=torch.zeros(n, dtype=torch.long), pos=ar, cell=ar,
+              row_slot=slice(0, 1), n_cols=n, ctx_len=n)
+    logits, hidden = model(b, hidden_layers=layers)  # [n, V], [n, F, dim]
+    top = logits.softmax(-1).topk(TOPK, dim=-1)
+    return {"ids": torch.tensor(ids, dtype=torch.int32), "feats": hidden.to(torch.bfloat16),
+            "top_ids": top.indices.to(torch.int32), "top_p": top.values.to(torch.float16)}
+
+
+def stage_features(out: Path, layers: tuple[int, ...], kinds: tuple[str, ...] = ("text", "answer"),
+                   max_text_tokens: int = 250_000, shard_docs: int = 200) -> None:
+    """Target features of every document, in shards of `shard_docs`; a rerun skips full shards
+    already written (answers may have grown since)."""
+    from rich.progress import Progress
+
+    from .tokenizer import Tokenizer
+    from .weights import default_model, load_model
+
+    model, path = load_model(default_model(), dtype=torch.bfloat16, device="cpu")
+    model.requires_grad_(False)
+    model.setup_cache(1, 1024)
+    tok = Tokenizer.from_path(path)
+    (out / "features").mkdir(exist_ok=True)
+    for kind in kinds:
+        docs = documents(out, kind, tok, max_text_tokens)
+        shards = [docs[i: i + shard_docs] for i in range(0, len(docs), shard_docs)]
+        with Progress() as bar:
+            task = bar.add_task(f"target features ({kind})", total=sum(len(d["ids"]) for d in docs))
+            for i, shard in enumerate(shards):
+                f = out / "features" / f"{kind}-{i:04d}-{len(shard)}.pt"
+                done = list((out / "features").glob(f"{kind}-{i:04d}-*.pt"))
+                if f.exists() or (done and len(shard) < shard_docs):
+                    bar.advance(task, sum(len(d["ids"]) for d in shard))
+                    continue
+                for old in done:  # a partial shard of an earlier run, now complete
+                    old.unlink()
+                rows = [dict(doc_features(model, d["ids"], layers), held_out=d["held_out"], kind=kind)
+                        for d in shard]
+                torch.save(rows, f.with_suffix(".tmp"))
+                f.with_suffix(".tmp").rename(f)
+                bar.advance(task, sum(len(d["ids"]) for d in shard))
+
+
+# ----------------------------------------------------------------------------- stage: fit
+
+
+class Corpus:
+    """All documents of one split, flat: ids [N], feats [N, F, dim], teacher top-k [N, k]."""
+
+    def __init__(self, rows: list[dict]):
+        self.lens = torch.tensor([len(r["ids"]) for r in rows])
+        self.starts = torch.cumsum(self.lens, 0) - self.lens
+        self.ids = torch.cat([r["ids"] for r in rows]).long()
+        self.feats = torch.cat([r["feats"] for r in rows])
+        self.top_ids = torch.cat([r["top_ids"] for r in rows]).long()
+        self.top_p = torch.cat([r["top_p"] for r in rows]).float()
+        self.kind = [r["kind"] for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def windows(self, docs: torch.Tensor, width: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices [B, width] of a random window of each doc (clamped to the doc; the
+        caller masks past `n`) and the window lengths n [B]."""
+        n = self.lens[docs].clamp(max=width)
+        off = (torch.rand(len(docs), generator=gen) * (self.lens[docs] - n + 1)).long()
+        at = self.starts[docs, None] + off[:, None] + torch.arange(width)[None, :]
+        return torch.minimum(at, (self.starts[docs] + self.lens[docs] - 1)[:, None]), n
+
+
+def load_corpus(out: Path) -> tuple[Corpus, Corpus]:
+    rows = [r for f in sorted((out / "features").glob("*.pt")) for r in torch.load(f)]
+    if not rows:
+        raise SystemExit(f"no features in {out / 'features'}; run the features stage first")
+    return Corpus([r for r in rows if not r["held_out"]]), Corpus([r for r in rows if r["held_out"]])
+
+
+def draft_vocabulary(corpus: Corpus, size: int) -> torch.Tensor:
+    """The `size` target tokens most often written or predicted first by the target."""
+    counts = torch.bincount(torch.cat([corpus.ids, corpus.top_ids[:, 0]]), minlength=int(corpus.top_ids.max()) + 1)
+    return counts.topk(size).indices.sort().values
+
+
+def new_drafter(target, corpus: Corpus, **kw):
+    """A drafter whose layers start as copies of the target's last layer, as do its norms."""
+    from .drafters import SparkArgs, SparkDrafter
+
+    args = SparkArgs.for_target(target.args, target_layers=LAYERS, **kw)
+    d = SparkDrafter(args)
+    src = target.layers[-1]
+    for layer in d.layers:
+        layer.attention.wqkv.weight.data.copy_(src.attention.wqkv.weight.float())
+        layer.attention.wo.weight.data.copy_(src.attention.wo.weight.float())
+        layer.feed_forward.load_state_dict({k: v.float() for k, v in src.feed_forward.state_dict().items()})
+        layer.attention_norm.weight.data.copy_(src.attention_norm.weight.float())
+        layer.ffn_norm.weight.data.copy_(src.ffn_norm.weight.float())
+    d.norm.weight.data.copy_(target.norm.weight.float())
+    d.mask_emb.data.copy_(target.tok_embeddings.weight.float().mean(0))
+    nn_init_small(d.markov_in.weight)
+    d.d2t.copy_(draft_vocabulary(corpus, args.draft_vocab))
+    return d
+
+
+def nn_init_small(w: torch.Tensor) -> None:
+    torch.nn.init.normal_(w, std=0.02)
+
+
+def block_batch(corpus: Corpus, docs: torch.Tensor, width: int, anchors: int, g: int, gen: torch.Generator) -> dict:
+    """Windows of documents and random anchors in them: everything a training step reads."""
+    at, n = corpus.windows(docs, width, gen)  # [B, W], [B]
+    # Anchors p in [1, n - 2]: at least one context position and one token to predict.
+    p = 1 + (torch.rand(len(docs), anchors, generator=gen) * (n[:, None] - 2).clamp(min=1)).long()  # [B, A]
+    k = torch.arange(g)
+    pk = p[:, :, None] + k  # [B, A, g] position of slot k's input (its prediction is pk + 1)
+    valid = pk + 1 < n[:, None, None]
+    pk = pk.clamp(max=width - 1)
+    nxt = (pk + 1).clamp(max=width - 1)
+    flat = at.gather(1, pk.flatten(1)).view_as(pk)
+    flat_next = at.gather(1, nxt.flatten(1)).view_as(pk)
+    return {"ids": corpus.ids[at], "feats": corpus.feats[at], "anchor_pos": p, "valid": valid,
+            "prev": corpus.ids[flat], "target": corpus.ids[flat_next],
+            "top_ids": corpus.top_ids[flat], "top_p": corpus.top_p[flat]}
+
+
+def drafter_outputs(d, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced draft logits [B, A, g, Vd] and confidence logits [B, A, g]."""
+    ids, feats, p = batch["ids"], batch["feats"], batch["anchor_pos"]
+    B, W = ids.shape
+    A, g = p.shape[1], d.args.block
+    pos = torch.arange(W).expand(B, W)
+    ctx = d.context(feats)  # [B, W, dim]
+    cos, sin = d.rope(pos, ctx.dtype)
+    ctx_kv = [layer.attention.context_kv(ctx, cos, sin) for layer in d.layers]
+    ctx_mask = torch.arange(W)[None, None, :] < p[:, :, None]  # [B, A, W]: positions before the anchor
+    h = d.block_states(ids.gather(1, p), p, ctx_kv, ctx_mask).view(B, A, g, -1)
+    return d.logits(h, batch["prev"])
+
+
+def losses(d, batch: dict, logits: torch.Tensor, conf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """0.1 CE + 0.9 TV + BCE(conf, 1 - TV), slot k weighted by exp(-k / 4)."""
+    Vd = d.args.draft_vocab
+    q = logits.float().softmax(-1)
+    q = torch.cat([q, q.new_zeros(*q.shape[:-1], 1)], -1)  # column Vd: tokens outside the draft vocabulary
+    q_top = q.gather(-1, d.t2d[batch["top_ids"]])
+    tv = 1 - torch.minimum(q_top, batch["top_p"]).sum(-1)  # [B, A, g]; exact where the top-k holds the mass
+    target = d.t2d[batch["target"]]
+    ce = F_cross_entropy(logits.float(), target, Vd)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, (1 - tv).detach().clamp(0, 1), reduction="none")
+    g = logits.shape[2]
+    w = torch.exp(-torch.arange(g) / 4.0) * batch["valid"]
+    norm = w.sum()
+    parts = {"ce": (ce * w).sum() / norm, "tv": (tv * w).sum() / norm, "bce": (bce * w).sum() / norm}
+    parts["loss"] = 0.1 * parts["ce"] + 0.9 * parts["tv"] + parts["bce"]
+    return parts
+
+
+def F_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore: int) -> torch.Tensor:
+    flat = torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=ignore,
+                                             reduction="none")
+    return flat.view(target.shape)
+
+
+@torch.no_grad()
+def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int = 1) -> dict:
+    """Greedy chains on held-out documents: accepted tokens per step (1 + the matching prefix)
+    and per-slot conditional acceptance, plus raw confidence logits for calibration."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.tensor([i for i, k in enumerate(corpus.kind) if k == "answer"][:n_docs])
+    g = d.args.block
+    toks, confs, targets, valids = [], [], [], []
+    for chunk in docs.split(16):
+        batch = block_batch(corpus, chunk, 512, anchors, g, gen)
+        ids, p = batch["ids"], batch["anchor_pos"]
+        B, W = ids.shape
+        ctx = d.context(batch["feats"])
+        cos, sin = d.rope(torch.arange(W).expand(B, W), ctx.dtype)
+        ctx_kv = [layer.attention.context_kv(ctx, cos, sin) for layer in d.layers]
+        mask = torch.arange(W)[None, None, :] < p[:, :, None]
+        h = d.block_states(ids.gather(1, p), p, ctx_kv, mask).view(B * anchors, g, -1)
+        t, c = d.chain(h, ids.gather(1, p).flatten(), None, None)
+        toks.append(t); confs.append(c)
+        targets.append(batch["target"].flatten(0, 1)); valids.append(batch["valid"].flatten(0, 1))
+    toks, conf, target, valid = map(torch.cat, (toks, confs, targets, valids))
+    ok = (toks == target) & valid
+    alive = ok.long().cumprod(-1).bool()  # [N, g] slot k accepted with all before it
+    full = valid.all(-1)
+    acc = alive[full].float()
+    return {"tokens_per_step": 1 + acc.sum(-1).mean().item(),
+            "slot_rate": [(alive[full, k].float().sum() / max(alive[full, k - 1].float().sum(), 1) if k
+                           else alive[full, 0].float().mean()).item() for k in range(g)],
+            "conf_logit": conf[full], "alive": acc}
+
+
+def stage_fit(out: Path, minutes: float, batch_docs: int = 16, anchors: int = 16, width: int = 512) -> None:
+    """Train from `out/ckpt.pt` (or from scratch) for `minutes` more, keeping the best drafter
+    by held-out accepted tokens per step; the learning rate decays over each run's minutes."""
+    from rich.progress import Progress
+
+    from .weights import default_model, load_model
+
+    target, _ = load_model(default_model(), dtype=torch.float32, device="cpu")
+    target.requires_grad_(False)
+    train, held = load_corpus(out)
+    ckpt_path = out / "ckpt.pt"
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    d = new_drafter(target, train) if ckpt is None else _drafter_from(ckpt)
+    d.attach(target)
+    print(f"{len(train)} training documents ({len(train.ids):,} tokens), {len(held)} held out; "
+          f"draft vocabulary covers {(d.t2d[train.ids] < d.args.draft_vocab).float().mean():.1%} of training tokens")
+    params = [p for p in d.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95))
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["opt"])
+    best = ckpt["best"] if ckpt else 0.0
+    step = ckpt["step"] if ckpt else 0
+    gen = torch.Generator().manual_seed(step)
+    weights = train.lens.float()
+    start, budget = time.time(), 60 * minutes
+    with Progress() as bar:
+        task = bar.add_task("training", total=budget)
+        while (elapsed := time.time() - start) < budget:
+            frac = elapsed / budget
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * (1 - frac))
+            docs = torch.multinomial(weights, batch_docs, replacement=True, generator=gen)
+            batch = block_batch(train, docs, width, anchors, d.args.block, gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits, conf = drafter_outputs(d, batch)
+            parts = losses(d, batch, logits, conf)
+            opt.zero_grad(set_to_none=True)
+            parts["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            bar.update(task, completed=time.time() - start,
+                       description=f"training step {step} tv {parts['tv']:.3f} ce {parts['ce']:.2f}")
+            if step % 200 == 0 or time.time() - start >= budget:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    score = evaluate(d, held)["tokens_per_step"]
+                bar.console.print(f"step {step}: held-out accepted tokens per step {score:.3f}")
+                state = {"args": d.args.__dict__, "model": d.state_dict(), "opt": opt.state_dict(),
+                         "step": step, "best": max(best, score)}
+                torch.save(state, ckpt_path)
+                if score > best:
+                    best = score
+                    torch.save(state, out / "best.pt")
+
+
+def _drafter_from(ckpt: dict):
+    from .drafters import SparkArgs, SparkDrafter
+
+    args = dict(ckpt["args"])
+    args["target_layers"] = tuple(args["target_layers"])
+    d = SparkDrafter(SparkArgs(**args))
+    d.load_state_dict(ckpt["model"])
+    return d
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m minispark.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["data", "features", "fit", "calibrate", "ngram", "all"])
+    ap.add_argument("--out", type=Path, default=Path("runs/spark"), help="work folder (default runs/spark)")
+    ap.add_argument("--kinds", default="text,answer", help="documents for the features stage")
+    ap.add_argument("--minutes", type=float, default=20.0, help="time for the data or fit stage")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    if args.stage in ("data", "all"):
+        stage_data(args.out, args.minutes)
+    if args.stage in ("features", "all"):
+        stage_features(args.out, LAYERS, tuple(args.kinds.split(",")))
+    if args.stage in ("fit", "all"):
+        stage_fit(args.out, args.minutes)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
