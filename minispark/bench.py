@@ -1,6 +1,6 @@
 """The benchmark harness: modes x workloads x batch sizes, against peers, in one run.
 
-    python -m minispark.bench --modes off,ngram --workloads code,chat --batch 1,4 --peers hf,hf-pld
+    python -m minispark.bench --modes off,ngram,spark,hybrid --workloads code,chat --batch 1,4,16 --plot bench.png
 
 Every configuration decodes the same prompts with the same weights and dtype; the table gives
 output tokens/s, ratios to a baseline column measured in the same run, and mean tokens per step.
@@ -19,7 +19,7 @@ from rich.table import Table
 
 from .engine import LLM, SPEC_MODES, SamplingParams
 from .tokenizer import Tokenizer
-from .weights import build_model, load_gguf, load_hf_folder, default_model
+from .weights import DEMO_DRAFTER, build_model, default_model, load_gguf, load_hf_folder
 from .workloads import workload
 
 console = Console(stderr=True)
@@ -33,6 +33,7 @@ class Result:
     tokens: int
     seconds: float
     steps: int = 0
+    chains: dict | None = None  # verified chains by drafter
 
     @property
     def tok_s(self) -> float:
@@ -50,14 +51,16 @@ def load_weights(path: str | None):
 
 
 def run_minispark(net, tok: Tokenizer, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
-                  temperature: float, max_seq_len: int) -> Result:
-    llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len)
+                  temperature: float, max_seq_len: int, drafter: Path | None) -> Result:
+    llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len, drafter=drafter)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     llm.generate(prompts[:1], SamplingParams(temperature=temperature, max_tokens=4))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    return Result(mode, "", batch, sum(len(o.token_ids) for o in outs), seconds, sum(o.num_steps for o in outs))
+    chains = {k: sum(o.chains[k] for o in outs) for k in outs[0].chains}
+    return Result(mode, "", batch, sum(len(o.token_ids) for o in outs), seconds, sum(o.num_steps for o in outs),
+                  chains)
 
 
 def hf_model(args, hf_sd, dtype: torch.dtype):
@@ -111,6 +114,7 @@ def render(results: list[Result], baseline: str) -> str:
     cells = {(r.workload, r.batch, r.system): r for r in results}
     head = ["workload", "batch"] + [f"{s} tok/s" for s in systems] + [f"{s} / {baseline}" for s in systems if s != baseline]
     head += [f"{s} tok/step" for s in systems if s in SPEC_MODES and s != "off"]
+    head += ["hybrid n-gram chains"] if "hybrid" in systems else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w, b in dict.fromkeys((r.workload, r.batch) for r in results):
         base = cells.get((w, b, baseline))
@@ -119,6 +123,9 @@ def render(results: list[Result], baseline: str) -> str:
                 for s in systems if s != baseline]
         row += [f"{cells[w, b, s].per_step:.2f}" if (w, b, s) in cells else ""
                 for s in systems if s in SPEC_MODES and s != "off"]
+        if "hybrid" in systems:
+            ch = cells[w, b, "hybrid"].chains if (w, b, "hybrid") in cells else None
+            row.append(f"{ch['ngram'] / max(ch['ngram'] + ch['spark'], 1):.0%}" if ch else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -181,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="minispark bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
-    ap.add_argument("--modes", default="off,ngram", help=f"comma-separated spec modes: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--drafter", default=None, help="drafter folder for spark/hybrid (default: the demo model's)")
+    ap.add_argument("--modes", default="off,ngram,spark,hybrid", help=f"comma-separated spec modes: {', '.join(SPEC_MODES)}")
     ap.add_argument("--peers", default="hf", help="comma-separated peers: hf, hf-pld (or none)")
     ap.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: the first mode)")
+    ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: spark if run, else the first mode)")
     ap.add_argument("--out", default=None, help="write the Markdown table to this file")
     ap.add_argument("--plot", default=None, help="draw throughput by batch size to this PNG; with "
                     "--trace, draw one request's steps instead")
@@ -210,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in a.batch.split(",")]
     dtype = getattr(torch, a.dtype)
 
+    drafter = Path(a.drafter) if a.drafter else (DEMO_DRAFTER if a.model is None else None)
     path, args, hf_sd = load_weights(a.model)
     net = build_model(args, hf_sd, dtype, "cpu" if not torch.cuda.is_available() else "cuda")
     tok = Tokenizer.from_path(path)
@@ -221,16 +230,17 @@ def main(argv: list[str] | None = None) -> None:
         max_seq_len = max(map(len, prompts)) + a.max_tokens + 64
         for b in batches:
             for m in modes:
-                r = run_minispark(net, tok, m, prompts, b, a.max_tokens, a.temperature, max_seq_len)
+                r = run_minispark(net, tok, m, prompts, b, a.max_tokens, a.temperature, max_seq_len, drafter)
                 results.append(r)
                 r.workload = w
-                console.print(f"{w:5s} batch {b:3d} {m:8s} {r.tok_s:7.1f} tok/s  {r.per_step:.2f} tok/step")
+                won = f"  chains {r.chains}" if m == "hybrid" else ""
+                console.print(f"{w:5s} batch {b:3d} {m:8s} {r.tok_s:7.1f} tok/s  {r.per_step:.2f} tok/step{won}")
             for p in peers:
                 r = run_hf(peer_model, prompts, b, a.max_tokens, tok.stop_ids, p == "hf-pld")
                 r.workload = w
                 results.append(r)
                 console.print(f"{w:5s} batch {b:3d} {p:8s} {r.tok_s:7.1f} tok/s")
-    md = render(results, a.baseline or modes[0])
+    md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     header = (f"{path.name}, {a.dtype}, {device}, temperature {a.temperature}, {a.n} prompts x "
               f"{a.max_tokens} tokens, torch {torch.__version__}")

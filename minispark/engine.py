@@ -89,7 +89,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None  # why, when finish_reason is "error"
     num_steps: int = 0  # decode steps this request took part in
-    accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # tokens by source
+    chains: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES[:2], 0))  # verified chains by drafter
 
     @property
     def finished(self) -> bool:
@@ -480,7 +481,8 @@ class LLM:
         self._budgets = [b for b in BUDGETS if b <= engine.draft_budget]
         self.cost = cost or (engine.profile(self._budgets) if engine.K else None)
         self._ids = itertools.count()
-        self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0)}
+        self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0),
+                        **{f"{k}_chains": 0 for k in SOURCES[:2]}}
         self._slots: list[_Request | None] = [None] * engine.S
 
     # -- public -------------------------------------------------------------------------------
@@ -622,12 +624,15 @@ class LLM:
         """Read one step's results on the host and hand them to their requests."""
         tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
         source, finish, a = out.source.tolist(), out.finish.tolist(), out.survival.tolist()
+        length = out.length.tolist()
         for i, (req, slot) in enumerate(zip(owners, rows)):
             survival[slot] = a[i]
             if req is None or req.out.finished or (n[i] == 0 and FINISH.get(finish[i]) != "error"):
                 continue
             o = req.out
             o.num_steps += count_step
+            if length[i] > 0:
+                o.chains[SOURCES[source[i]]] += 1
             reason = FINISH.get(finish[i])
             if reason == "error":
                 o.error = NON_FINITE
@@ -693,6 +698,8 @@ class LLM:
         t["steps"] += o.num_steps
         for k, v in o.accepted.items():
             t[k] += v
+        for k, v in o.chains.items():
+            t[f"{k}_chains"] += v
 
 
 def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark: SparkDrafter | None = None) -> None:

@@ -130,8 +130,9 @@ def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int, rounds: int = 2
     flip = best_use[None, :] ^ torch.eye(R, dtype=torch.bool, device=a_spark.device)  # [R, R]
     options = torch.where(flip[..., None], a_spark[None], a_ngram[None]).flatten(1)  # [R, R * W]
     values = options.topk(min(max(budget, 0), R * W), dim=-1).values.sum(-1)  # [R]
-    i = values.argmax()
-    best_use = torch.where(values[i] > best_value, flip[i], best_use)
+    pick = torch.arange(R, device=values.device) == values.argmax()  # one-hot: no indexing by a tensor value
+    switched = (flip & pick[:, None]).any(0)
+    best_use = torch.where(values.max() > best_value, switched, best_use)
     return best_use, torch.where(best_use[:, None], a_spark, a_ngram)
 
 

@@ -138,7 +138,7 @@ def reading_texts(max_chars: int = 2000) -> list[str]:
     return pieces
 
 
-def stage_data(out: Path, minutes: float, batch: int = 16, max_tokens: int = 320) -> None:
+def stage_data(out: Path, minutes: float, batch: int = 24, max_tokens: int = 320) -> None:
     """Answers of the target to the training prompts, appended to answers.jsonl until the time
     is up (a later run goes on where this one stopped); and the reading texts."""
     from rich.progress import Progress
@@ -152,7 +152,7 @@ def stage_data(out: Path, minutes: float, batch: int = 16, max_tokens: int = 320
     answers = out / "answers.jsonl"
     done = {json.loads(line)["prompt"] for line in answers.open()} if answers.exists() else set()
     todo = [p for p in training_prompts() if p not in done]
-    llm = LLM(spec="ngram", max_batch_size=batch, max_seq_len=1024)
+    llm = LLM(spec="off", max_batch_size=batch, max_seq_len=1024)  # chat: speculation gains little
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     deadline = time.time() + 60 * minutes
     with Progress() as bar, answers.open("a") as f:
@@ -460,6 +460,161 @@ def _drafter_from(ckpt: dict):
     return d
 
 
+# ----------------------------------------------------------------------------- stage: calibrate
+
+
+def ece(pred: torch.Tensor, hit: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error: |mean prediction - mean outcome| over equal-width bins,
+    weighted by how many predictions fall in each."""
+    pred, hit = pred.flatten().float(), hit.flatten().float()
+    which = (pred * bins).long().clamp(max=bins - 1)
+    n = torch.bincount(which, minlength=bins).float()
+    gap = (torch.bincount(which, pred, bins) - torch.bincount(which, hit, bins)).abs()
+    return (gap.sum() / n.sum().clamp(min=1)).item()
+
+
+def fit_temperatures(conf_logit: torch.Tensor, alive: torch.Tensor,
+                     grid: torch.Tensor = torch.logspace(-1.2, 1.2, 49)) -> tuple[torch.Tensor, list, list]:
+    """Sequential temperature scaling: position by position, left to right, the temperature
+    whose survival prod_{i<=k} sigmoid(z_i / T_i) best matches (lowest ECE) how often slots
+    0..k were all accepted. Returns the temperatures and the ECE per position before and after."""
+    g = conf_logit.shape[1]
+    temps = torch.ones(g)
+    before = [ece(torch.sigmoid(conf_logit[:, : k + 1]).prod(-1), alive[:, k]) for k in range(g)]
+    for k in range(g):
+        prefix = torch.sigmoid(conf_logit[:, :k] / temps[:k]).prod(-1)
+        scores = [ece(prefix * torch.sigmoid(conf_logit[:, k] / t), alive[:, k]) for t in grid]
+        temps[k] = grid[int(torch.tensor(scores).argmin())]
+    after = [ece(torch.sigmoid(conf_logit[:, : k + 1] / temps[: k + 1]).prod(-1), alive[:, k]) for k in range(g)]
+    return temps, before, after
+
+
+def stage_calibrate(out: Path, dest: Path) -> dict:
+    """Fit the confidence temperatures on held-out answers and write the drafter folder."""
+    from .weights import default_model, load_model, save_drafter
+
+    target, _ = load_model(default_model(), dtype=torch.float32, device="cpu")
+    target.requires_grad_(False)
+    _, held = load_corpus(out)
+    d = _drafter_from(torch.load(out / "best.pt", weights_only=False)).attach(target)
+    d.requires_grad_(False)
+    half = len([k for k in held.kind if k == "answer"]) // 2
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        fit = evaluate(d, held, n_docs=half, anchors=24, seed=2)
+        temps, before, after = fit_temperatures(fit["conf_logit"], fit["alive"])
+        d.conf_temp.copy_(temps)
+        test = evaluate(d, held, n_docs=10**6, anchors=8, seed=3)
+    report = {
+        "held_out_tokens_per_step": round(test["tokens_per_step"], 3),
+        "slot_acceptance": [round(x, 3) for x in test["slot_rate"]],
+        "temperatures": [round(x, 3) for x in temps.tolist()],
+        "survival_ece_before": [round(x, 4) for x in before],
+        "survival_ece_after": [round(x, 4) for x in after],
+        "training_step": torch.load(out / "best.pt", weights_only=False)["step"],
+    }
+    save_drafter(dest, d, target.args, report)
+    print(json.dumps(report, indent=1))
+    return report
+
+
+# ----------------------------------------------------------------------------- stage: ngram
+
+
+def simulate_ngram(docs: list[tuple[list[int], int]], k: int = 32, batch: int = 64) -> dict[str, torch.Tensor]:
+    """Replay the n-gram drafter over the target's own answers, as decoding would: at each step
+    propose from the history, accept the leading tokens that match the answer, emit one more.
+    docs: (ids, where the answer starts). Returns per step and chain position: the state of the
+    last proposal, the match length m, whether position j was reached and whether accepted."""
+    from .drafters import NgramDrafter
+    from .price import NO_PROPOSAL, RIGHT, WRONG
+
+    drafter = NgramDrafter(k=k)
+    logs = {"state": [], "m": [], "reached": [], "accepted": []}
+    for i in range(0, len(docs), batch):
+        chunk = docs[i: i + batch]
+        C = max(len(ids) for ids, _ in chunk)
+        tokens = torch.zeros(len(chunk), C + k + 1, dtype=torch.long)
+        for r, (ids, _) in enumerate(chunk):
+            tokens[r, : len(ids)] = torch.tensor(ids)
+        n = torch.tensor([len(ids) for ids, _ in chunk])
+        p = torch.tensor([start for _, start in chunk])  # the anchor's position
+        state = torch.full((len(chunk),), NO_PROPOSAL)
+        col = torch.arange(k)
+        while True:
+            live = p + 1 < n
+            if not live.any():
+                break
+            draft, valid, m = drafter(tokens[:, :C], torch.where(live, p + 1, 0))
+            truth = tokens.gather(1, (p[:, None] + 1 + col).clamp(max=C + k))
+            ok = (draft == truth) & (col < valid[:, None]) & (p[:, None] + 1 + col < n[:, None])
+            acc = ok.long().cumprod(-1).sum(-1)
+            reached = (col < valid[:, None]) & (col <= acc[:, None]) & live[:, None]
+            logs["state"].append(state[live]); logs["m"].append(m[live])
+            logs["reached"].append(reached[live]); logs["accepted"].append((col < acc[:, None])[live])
+            state = torch.where(valid > 0, torch.where(draft[:, 0] == truth[:, 0], RIGHT, WRONG), NO_PROPOSAL)
+            p = torch.where(live, p + acc + 1, p)
+    return {name: torch.cat(v) for name, v in logs.items()}
+
+
+def fit_ngram_table(log: dict, n_max: int = 8, k: int = 32, strength: float = 4.0) -> torch.Tensor:
+    """P(j accepted | j reached) by [state, m, j], each cell shrunk toward the (m, j) estimate
+    pooled over states, which is shrunk toward the per-position estimate."""
+    def counts(index: list[torch.Tensor], sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = torch.zeros(sizes).long()
+        strides = torch.tensor(flat.stride())
+        j = torch.arange(k).expand_as(log["reached"])
+        idx = sum(ix * st for ix, st in zip([*index, j], strides))
+        reached, acc = log["reached"], log["accepted"] & log["reached"]
+        n = torch.bincount(idx[reached], minlength=flat.numel()).view(sizes).float()
+        a = torch.bincount(idx[acc], minlength=flat.numel()).view(sizes).float()
+        return a, n
+
+    rows = log["reached"].shape[0]
+    s_ix, m_ix = log["state"][:, None].expand(rows, k), log["m"][:, None].expand(rows, k)
+    a_j, n_j = counts([], (k,))
+    c_j = (a_j + 1) / (n_j + 2)
+    a_mj, n_mj = counts([m_ix], (n_max + 1, k))
+    c_mj = (a_mj + strength * c_j) / (n_mj + strength)
+    a_smj, n_smj = counts([s_ix, m_ix], (3, n_max + 1, k))
+    return (a_smj + strength * c_mj) / (n_smj + strength)
+
+
+def table_ece(table: torch.Tensor, log: dict) -> float:
+    k = table.shape[-1]
+    rows = log["reached"].shape[0]
+    pred = table[log["state"][:, None].expand(rows, k), log["m"][:, None].expand(rows, k), torch.arange(k)]
+    r = log["reached"]
+    return ece(pred[r], log["accepted"][r])
+
+
+def stage_ngram(out: Path, dest: Path) -> dict:
+    """Fit the n-gram table on the target's answers and report its ECE on held-out ones against
+    simpler estimates: one rate per position, and per (m, j) without the last outcome."""
+    from .price import default_ngram_table
+    from .tokenizer import Tokenizer
+    from .weights import default_model, save_ngram_table
+
+    tok = Tokenizer.from_path(default_model())
+    docs = {True: [], False: []}
+    for line in (out / "answers.jsonl").open():
+        r = json.loads(line)
+        prompt = tok.encode_chat([{"role": "user", "content": r["prompt"]}])
+        docs[is_held_out(r["prompt"])].append((prompt + r["answer_ids"], len(prompt)))
+    fit_log, test_log = simulate_ngram(docs[False]), simulate_ngram(docs[True])
+    table = fit_ngram_table(fit_log)
+    pooled = table.mean(0, keepdim=True).expand_as(table)  # (m, j) only
+    positional = fit_ngram_table({**fit_log, "m": torch.zeros_like(fit_log["m"]),
+                                  "state": torch.zeros_like(fit_log["state"])})[0, 0].expand_as(table)
+    report = {"fit_steps": int(fit_log["m"].numel()), "held_out_steps": int(test_log["m"].numel()),
+              "ece_held_out": {"state_m_j": round(table_ece(table, test_log), 4),
+                               "m_j": round(table_ece(pooled, test_log), 4),
+                               "j_only": round(table_ece(positional, test_log), 4),
+                               "hand_set_default": round(table_ece(default_ngram_table(8, 32), test_log), 4)}}
+    save_ngram_table(dest, table, report)
+    print(json.dumps(report, indent=1))
+    return report
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -468,6 +623,8 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["data", "features", "fit", "calibrate", "ngram", "all"])
     ap.add_argument("--out", type=Path, default=Path("runs/spark"), help="work folder (default runs/spark)")
+    ap.add_argument("--dest", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
+                    help="drafter folder written by calibrate and ngram")
     ap.add_argument("--kinds", default="text,answer", help="documents for the features stage")
     ap.add_argument("--minutes", type=float, default=20.0, help="time for the data or fit stage")
     args = ap.parse_args(argv)
@@ -478,6 +635,10 @@ def main(argv: list[str] | None = None) -> None:
         stage_features(args.out, LAYERS, tuple(args.kinds.split(",")))
     if args.stage in ("fit", "all"):
         stage_fit(args.out, args.minutes)
+    if args.stage in ("calibrate", "all"):
+        stage_calibrate(args.out, args.dest)
+    if args.stage in ("ngram", "all"):
+        stage_ngram(args.out, args.dest)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_pair
+from conftest import bigram_drafter, tiny_pair
 from minispark.engine import Engine, SamplingParams
 
 
@@ -24,15 +24,15 @@ def run_steps(eng: Engine, prompts: list[list[int]], sampling: bool, steps: int 
     return outs
 
 
-@pytest.mark.parametrize("spec", ["off", "ngram"])
+@pytest.mark.parametrize("spec", ["off", "ngram", "spark", "hybrid"])
 def test_compiled_step_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     _, net = tiny_pair(3, initializer_range=0.1, vocab_size=48)
-    eager = Engine(net, spec, 4, 160)
+    eager = Engine(net, spec, 4, 160, spark=bigram_drafter(net))
     _, net2 = tiny_pair(3, initializer_range=0.1, vocab_size=48)
-    compiled = Engine(net2, spec, 4, 160, compile=True)
+    compiled = Engine(net2, spec, 4, 160, spark=bigram_drafter(net2), compile=True)
     rng = random.Random(0)
-    samplings = [False, True] if spec == "ngram" else [False]
+    samplings = [False, True] if spec in ("ngram", "hybrid") else [False]
     try:
         for trial in range(3):
             # The first trial compiles one graph per sampling flag; later ones, with new prompts
