@@ -162,13 +162,13 @@ class SparkDrafter(nn.Module):
         self.register_buffer("conf_temp", torch.ones(args.block))  # calibration, one per position
         self.register_buffer("inv_freq", rope_frequencies(margs), persistent=False)
         # Borrowed from the target by `attach`, frozen and not saved with the drafter.
-        self.embed: nn.Embedding | None = None
+        self.register_buffer("embed", torch.empty(0), persistent=False)  # [V, dim] target embedding
         self.register_buffer("head", torch.empty(0), persistent=False)  # [Vd, dim] target LM head rows
         self.register_buffer("t2d", torch.empty(0, dtype=torch.long), persistent=False)  # [V] -> [0, Vd]
 
     def attach(self, target: nn.Module) -> "SparkDrafter":
         """Borrow the target's embedding and the LM head rows of the draft vocabulary."""
-        self.embed = target.tok_embeddings
+        self.embed = target.tok_embeddings.weight.detach()
         self.head = target.output.weight.detach()[self.d2t].clone()
         t2d = torch.full((self.args.vocab_size,), self.args.draft_vocab, dtype=torch.long, device=self.d2t.device)
         self.t2d = t2d.scatter(0, self.d2t, torch.arange(self.args.draft_vocab, device=self.d2t.device))
@@ -208,7 +208,7 @@ class SparkDrafter(nn.Module):
         B, A = anchor.shape
         g = self.args.block
         x = self.mask_emb.expand(B, A, g, -1).clone()
-        x[:, :, 0] = self.embed(anchor).to(x.dtype)
+        x[:, :, 0] = F.embedding(anchor, self.embed).to(x.dtype)
         x = x.flatten(1, 2)  # [B, Q, dim]
         qpos = (pos[:, :, None] + torch.arange(g, device=pos.device)).flatten(1)  # [B, Q]
         cos, sin = self.rope(qpos, x.dtype)

@@ -25,12 +25,41 @@ import random
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 DATA = Path(__file__).parent / "data"
 LAYERS = (1, 8, 15, 22, 29)  # target layers whose hidden states feed the drafter
+
+
+@dataclass
+class Recipe:
+    """Every size of the recipe; the defaults are the CPU run that made the shipped drafter."""
+    model: str | None = None  # the target (None = the demo model)
+    device: str = "cpu"
+    batch: int = 24  # answers generated at once
+    max_tokens: int = 320  # per answer
+    max_prompts: int | None = None
+    text_tokens: int = 250_000  # of reading text to featurise
+    draft_vocab: int = 8192
+    block: int = 7
+    rank: int = 128
+    batch_docs: int = 16  # windows per training step
+    anchors: int = 16  # blocks per window
+    width: int = 512  # window length
+    lr: float = 1e-3
+    eval_every: int = 200
+    max_steps: int | None = None
+    layers: tuple[int, ...] = LAYERS
+
+    def target(self, dtype: torch.dtype = torch.bfloat16):
+        from .weights import default_model, load_model
+
+        model, path = load_model(self.model or default_model(), dtype=dtype, device=self.device)
+        return model.requires_grad_(False), path
 
 TEMPLATES = (
     "Explain {t} to a beginner.",
@@ -138,7 +167,7 @@ def reading_texts(max_chars: int = 2000) -> list[str]:
     return pieces
 
 
-def stage_data(out: Path, minutes: float, batch: int = 24, max_tokens: int = 320) -> None:
+def stage_data(out: Path, r: Recipe, minutes: float) -> None:
     """Answers of the target to the training prompts, appended to answers.jsonl until the time
     is up (a later run goes on where this one stopped); and the reading texts."""
     from rich.progress import Progress
@@ -151,9 +180,11 @@ def stage_data(out: Path, minutes: float, batch: int = 24, max_tokens: int = 320
         texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in reading_texts()))
     answers = out / "answers.jsonl"
     done = {json.loads(line)["prompt"] for line in answers.open()} if answers.exists() else set()
-    todo = [p for p in training_prompts() if p not in done]
-    llm = LLM(spec="off", max_batch_size=batch, max_seq_len=1024)  # chat: speculation gains little
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    todo = [p for p in training_prompts()[: r.max_prompts] if p not in done]
+    batch = r.batch
+    # spec="off": on chat, speculation gains little at large batch sizes.
+    llm = LLM(r.model, spec="off", max_batch_size=batch, max_seq_len=1024, device=r.device)
+    params = SamplingParams(temperature=0, max_tokens=r.max_tokens)
     deadline = time.time() + 60 * minutes
     with Progress() as bar, answers.open("a") as f:
         task = bar.add_task("target answers", total=len(todo) + len(done), completed=len(done))
@@ -201,32 +232,29 @@ def doc_features(model, ids: list[int], layers: tuple[int, ...]) -> dict[str, to
     """One forward of the target over a document: its features and its top-k teacher."""
     from .model import Batch
 
-    n = len(ids)
-    ar = torch.arange(n)
-    b = Batch(tokens=torch.tensor(ids), slot=torch.zeros(n, dtype=torch.long), pos=ar, cell=ar,
+    n, dev = len(ids), model.tok_embeddings.weight.device
+    ar = torch.arange(n, device=dev)
+    b = Batch(tokens=torch.tensor(ids, device=dev), slot=torch.zeros_like(ar), pos=ar, cell=ar,
               row_slot=slice(0, 1), n_cols=n, ctx_len=n)
     logits, hidden = model(b, hidden_layers=layers)  # [n, V], [n, F, dim]
     top = logits.softmax(-1).topk(TOPK, dim=-1)
-    return {"ids": torch.tensor(ids, dtype=torch.int32), "feats": hidden.to(torch.bfloat16),
-            "top_ids": top.indices.to(torch.int32), "top_p": top.values.to(torch.float16)}
+    return {"ids": torch.tensor(ids, dtype=torch.int32), "feats": hidden.to(torch.bfloat16).cpu(),
+            "top_ids": top.indices.to(torch.int32).cpu(), "top_p": top.values.to(torch.float16).cpu()}
 
 
-def stage_features(out: Path, layers: tuple[int, ...], kinds: tuple[str, ...] = ("text", "answer"),
-                   max_text_tokens: int = 250_000, shard_docs: int = 200) -> None:
+def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = ("text", "answer"), shard_docs: int = 200) -> None:
     """Target features of every document, in shards of `shard_docs`; a rerun skips full shards
     already written (answers may have grown since)."""
     from rich.progress import Progress
 
     from .tokenizer import Tokenizer
-    from .weights import default_model, load_model
 
-    model, path = load_model(default_model(), dtype=torch.bfloat16, device="cpu")
-    model.requires_grad_(False)
+    model, path = r.target()
     model.setup_cache(1, 1024)
     tok = Tokenizer.from_path(path)
     (out / "features").mkdir(exist_ok=True)
     for kind in kinds:
-        docs = documents(out, kind, tok, max_text_tokens)
+        docs = documents(out, kind, tok, r.text_tokens)
         shards = [docs[i: i + shard_docs] for i in range(0, len(docs), shard_docs)]
         with Progress() as bar:
             task = bar.add_task(f"target features ({kind})", total=sum(len(d["ids"]) for d in docs))
@@ -238,7 +266,7 @@ def stage_features(out: Path, layers: tuple[int, ...], kinds: tuple[str, ...] = 
                     continue
                 for old in done:  # a partial shard of an earlier run, now complete
                     old.unlink()
-                rows = [dict(doc_features(model, d["ids"], layers), held_out=d["held_out"], kind=kind)
+                rows = [dict(doc_features(model, d["ids"], r.layers), held_out=d["held_out"], kind=kind)
                         for d in shard]
                 torch.save(rows, f.with_suffix(".tmp"))
                 f.with_suffix(".tmp").rename(f)
@@ -276,20 +304,23 @@ def load_corpus(out: Path) -> tuple[Corpus, Corpus]:
     rows = [r for f in sorted((out / "features").glob("*.pt")) for r in torch.load(f)]
     if not rows:
         raise SystemExit(f"no features in {out / 'features'}; run the features stage first")
+    if not any(r["held_out"] and r["kind"] == "answer" for r in rows):  # tiny runs: hold out one answer
+        next(r for r in reversed(rows) if r["kind"] == "answer")["held_out"] = True
     return Corpus([r for r in rows if not r["held_out"]]), Corpus([r for r in rows if r["held_out"]])
 
 
 def draft_vocabulary(corpus: Corpus, size: int) -> torch.Tensor:
     """The `size` target tokens most often written or predicted first by the target."""
-    counts = torch.bincount(torch.cat([corpus.ids, corpus.top_ids[:, 0]]), minlength=int(corpus.top_ids.max()) + 1)
+    counts = torch.bincount(torch.cat([corpus.ids, corpus.top_ids[:, 0]]), minlength=size)
     return counts.topk(size).indices.sort().values
 
 
-def new_drafter(target, corpus: Corpus, **kw):
+def new_drafter(target, corpus: Corpus, r: Recipe):
     """A drafter whose layers start as copies of the target's last layer, as do its norms."""
     from .drafters import SparkArgs, SparkDrafter
 
-    args = SparkArgs.for_target(target.args, target_layers=LAYERS, **kw)
+    args = SparkArgs.for_target(target.args, target_layers=r.layers, block=r.block, rank=r.rank,
+                                draft_vocab=min(r.draft_vocab, target.args.vocab_size))
     d = SparkDrafter(args)
     src = target.layers[-1]
     for layer in d.layers:
@@ -300,13 +331,9 @@ def new_drafter(target, corpus: Corpus, **kw):
         layer.ffn_norm.weight.data.copy_(src.ffn_norm.weight.float())
     d.norm.weight.data.copy_(target.norm.weight.float())
     d.mask_emb.data.copy_(target.tok_embeddings.weight.float().mean(0))
-    nn_init_small(d.markov_in.weight)
+    torch.nn.init.normal_(d.markov_in.weight, std=0.02)
     d.d2t.copy_(draft_vocabulary(corpus, args.draft_vocab))
-    return d
-
-
-def nn_init_small(w: torch.Tensor) -> None:
-    torch.nn.init.normal_(w, std=0.02)
+    return d.to(target.tok_embeddings.weight.device)
 
 
 def block_batch(corpus: Corpus, docs: torch.Tensor, width: int, anchors: int, g: int, gen: torch.Generator) -> dict:
@@ -331,11 +358,11 @@ def drafter_outputs(d, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     ids, feats, p = batch["ids"], batch["feats"], batch["anchor_pos"]
     B, W = ids.shape
     A, g = p.shape[1], d.args.block
-    pos = torch.arange(W).expand(B, W)
+    pos = torch.arange(W, device=ids.device).expand(B, W)
     ctx = d.context(feats)  # [B, W, dim]
     cos, sin = d.rope(pos, ctx.dtype)
     ctx_kv = [layer.attention.context_kv(ctx, cos, sin) for layer in d.layers]
-    ctx_mask = torch.arange(W)[None, None, :] < p[:, :, None]  # [B, A, W]: positions before the anchor
+    ctx_mask = pos[:, None, :] < p[:, :, None]  # [B, A, W]: positions before the anchor
     h = d.block_states(ids.gather(1, p), p, ctx_kv, ctx_mask).view(B, A, g, -1)
     return d.logits(h, batch["prev"])
 
@@ -348,20 +375,15 @@ def losses(d, batch: dict, logits: torch.Tensor, conf: torch.Tensor) -> dict[str
     q_top = q.gather(-1, d.t2d[batch["top_ids"]])
     tv = 1 - torch.minimum(q_top, batch["top_p"]).sum(-1)  # [B, A, g]; exact where the top-k holds the mass
     target = d.t2d[batch["target"]]
-    ce = F_cross_entropy(logits.float(), target, Vd)
-    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, (1 - tv).detach().clamp(0, 1), reduction="none")
+    ce = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), ignore_index=Vd,
+                         reduction="none").view(target.shape)
+    bce = F.binary_cross_entropy_with_logits(conf, (1 - tv).detach().clamp(0, 1), reduction="none")
     g = logits.shape[2]
-    w = torch.exp(-torch.arange(g) / 4.0) * batch["valid"]
+    w = torch.exp(-torch.arange(g, device=conf.device) / 4.0) * batch["valid"]
     norm = w.sum()
     parts = {"ce": (ce * w).sum() / norm, "tv": (tv * w).sum() / norm, "bce": (bce * w).sum() / norm}
     parts["loss"] = 0.1 * parts["ce"] + 0.9 * parts["tv"] + parts["bce"]
     return parts
-
-
-def F_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore: int) -> torch.Tensor:
-    flat = torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=ignore,
-                                             reduction="none")
-    return flat.view(target.shape)
 
 
 @torch.no_grad()
@@ -372,19 +394,21 @@ def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int 
     docs = torch.tensor([i for i, k in enumerate(corpus.kind) if k == "answer"][:n_docs])
     g = d.args.block
     toks, confs, targets, valids = [], [], [], []
+    dev = d.d2t.device
     for chunk in docs.split(16):
-        batch = block_batch(corpus, chunk, 512, anchors, g, gen)
+        batch = {k: v.to(dev) for k, v in block_batch(corpus, chunk, 512, anchors, g, gen).items()}
         ids, p = batch["ids"], batch["anchor_pos"]
         B, W = ids.shape
         ctx = d.context(batch["feats"])
-        cos, sin = d.rope(torch.arange(W).expand(B, W), ctx.dtype)
+        pos = torch.arange(W, device=dev).expand(B, W)
+        cos, sin = d.rope(pos, ctx.dtype)
         ctx_kv = [layer.attention.context_kv(ctx, cos, sin) for layer in d.layers]
-        mask = torch.arange(W)[None, None, :] < p[:, :, None]
+        mask = pos[:, None, :] < p[:, :, None]
         h = d.block_states(ids.gather(1, p), p, ctx_kv, mask).view(B * anchors, g, -1)
         t, c = d.chain(h, ids.gather(1, p).flatten(), None, None)
-        toks.append(t); confs.append(c)
+        toks.append(t); confs.append(c.float())
         targets.append(batch["target"].flatten(0, 1)); valids.append(batch["valid"].flatten(0, 1))
-    toks, conf, target, valid = map(torch.cat, (toks, confs, targets, valids))
+    toks, conf, target, valid = (torch.cat(x).cpu() for x in (toks, confs, targets, valids))
     ok = (toks == target) & valid
     alive = ok.long().cumprod(-1).bool()  # [N, g] slot k accepted with all before it
     full = valid.all(-1)
@@ -395,40 +419,44 @@ def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int 
             "conf_logit": conf[full], "alive": acc}
 
 
-def stage_fit(out: Path, minutes: float, batch_docs: int = 16, anchors: int = 16, width: int = 512) -> None:
-    """Train from `out/ckpt.pt` (or from scratch) for `minutes` more, keeping the best drafter
-    by held-out accepted tokens per step; the learning rate decays over each run's minutes."""
+def stage_fit(out: Path, r: Recipe, minutes: float) -> None:
+    """Train from `out/ckpt.pt` (or from scratch) for `minutes` more (or `r.max_steps`), keeping
+    the drafter with the most held-out accepted tokens per step in `out/best.pt`. The learning
+    rate warms up, then decays over each run's minutes, so a resumed run anneals again."""
     from rich.progress import Progress
 
-    from .weights import default_model, load_model
-
-    target, _ = load_model(default_model(), dtype=torch.float32, device="cpu")
-    target.requires_grad_(False)
+    target, _ = r.target(torch.float32 if r.device == "cpu" else torch.bfloat16)
     train, held = load_corpus(out)
     ckpt_path = out / "ckpt.pt"
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    d = new_drafter(target, train) if ckpt is None else _drafter_from(ckpt)
+    d = new_drafter(target, train, r) if ckpt is None else _drafter_from(ckpt).to(r.device)
     d.attach(target)
-    print(f"{len(train)} training documents ({len(train.ids):,} tokens), {len(held)} held out; "
-          f"draft vocabulary covers {(d.t2d[train.ids] < d.args.draft_vocab).float().mean():.1%} of training tokens")
+    print(f"{len(train)} training documents ({len(train.ids):,} tokens), {len(held)} held out; the draft "
+          f"vocabulary covers {(d.t2d.cpu()[train.ids] < d.args.draft_vocab).float().mean():.1%} of training tokens")
     params = [p for p in d.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if ckpt is not None:
         opt.load_state_dict(ckpt["opt"])
     best = ckpt["best"] if ckpt else 0.0
     step = ckpt["step"] if ckpt else 0
+    first = step
     gen = torch.Generator().manual_seed(step)
     weights = train.lens.float()
     start, budget = time.time(), 60 * minutes
+    autocast = torch.autocast(r.device.split(":")[0], dtype=torch.bfloat16)
+
+    def done() -> bool:
+        return time.time() - start >= budget or (r.max_steps is not None and step - first >= r.max_steps)
+
     with Progress() as bar:
         task = bar.add_task("training", total=budget)
-        while (elapsed := time.time() - start) < budget:
-            frac = elapsed / budget
+        while not done():
+            frac = (time.time() - start) / budget
             for group in opt.param_groups:
-                group["lr"] = 1e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * (1 - frac))
-            docs = torch.multinomial(weights, batch_docs, replacement=True, generator=gen)
-            batch = block_batch(train, docs, width, anchors, d.args.block, gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+                group["lr"] = r.lr * min(1.0, (step - first + 1) / 50) * (0.1 + 0.9 * (1 - frac))
+            docs = torch.multinomial(weights, r.batch_docs, replacement=True, generator=gen)
+            batch = {k: v.to(r.device) for k, v in block_batch(train, docs, r.width, r.anchors, r.block, gen).items()}
+            with autocast:
                 logits, conf = drafter_outputs(d, batch)
             parts = losses(d, batch, logits, conf)
             opt.zero_grad(set_to_none=True)
@@ -438,15 +466,15 @@ def stage_fit(out: Path, minutes: float, batch_docs: int = 16, anchors: int = 16
             step += 1
             bar.update(task, completed=time.time() - start,
                        description=f"training step {step} tv {parts['tv']:.3f} ce {parts['ce']:.2f}")
-            if step % 200 == 0 or time.time() - start >= budget:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+            if step % r.eval_every == 0 or done():
+                with autocast, torch.no_grad():
                     score = evaluate(d, held)["tokens_per_step"]
                 bar.console.print(f"step {step}: held-out accepted tokens per step {score:.3f}")
                 state = {"args": d.args.__dict__, "model": d.state_dict(), "opt": opt.state_dict(),
                          "step": step, "best": max(best, score)}
                 torch.save(state, ckpt_path)
-                if score > best:
-                    best = score
+                if score > best or not (out / "best.pt").exists():
+                    best = max(best, score)
                     torch.save(state, out / "best.pt")
 
 
@@ -489,21 +517,20 @@ def fit_temperatures(conf_logit: torch.Tensor, alive: torch.Tensor,
     return temps, before, after
 
 
-def stage_calibrate(out: Path, dest: Path) -> dict:
+def stage_calibrate(out: Path, dest: Path, r: Recipe) -> dict:
     """Fit the confidence temperatures on held-out answers and write the drafter folder."""
-    from .weights import default_model, load_model, save_drafter
+    from .weights import save_drafter
 
-    target, _ = load_model(default_model(), dtype=torch.float32, device="cpu")
-    target.requires_grad_(False)
+    target, _ = r.target(torch.float32 if r.device == "cpu" else torch.bfloat16)
     _, held = load_corpus(out)
-    d = _drafter_from(torch.load(out / "best.pt", weights_only=False)).attach(target)
+    d = _drafter_from(torch.load(out / "best.pt", weights_only=False)).to(r.device).attach(target)
     d.requires_grad_(False)
-    half = len([k for k in held.kind if k == "answer"]) // 2
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+    half = max(1, len([k for k in held.kind if k == "answer"]) // 2)
+    with torch.autocast(r.device.split(":")[0], dtype=torch.bfloat16), torch.no_grad():
         fit = evaluate(d, held, n_docs=half, anchors=24, seed=2)
         temps, before, after = fit_temperatures(fit["conf_logit"], fit["alive"])
         d.conf_temp.copy_(temps)
-        test = evaluate(d, held, n_docs=10**6, anchors=8, seed=3)
+        test = evaluate(d, held, n_docs=10**6, anchors=8, seed=3)  # all held-out answers, new anchors
     report = {
         "held_out_tokens_per_step": round(test["tokens_per_step"], 3),
         "slot_acceptance": [round(x, 3) for x in test["slot_rate"]],
@@ -587,14 +614,14 @@ def table_ece(table: torch.Tensor, log: dict) -> float:
     return ece(pred[r], log["accepted"][r])
 
 
-def stage_ngram(out: Path, dest: Path) -> dict:
+def stage_ngram(out: Path, dest: Path, r: Recipe) -> dict:
     """Fit the n-gram table on the target's answers and report its ECE on held-out ones against
     simpler estimates: one rate per position, and per (m, j) without the last outcome."""
     from .price import default_ngram_table
     from .tokenizer import Tokenizer
     from .weights import default_model, save_ngram_table
 
-    tok = Tokenizer.from_path(default_model())
+    tok = Tokenizer.from_path(r.model or default_model())
     docs = {True: [], False: []}
     for line in (out / "answers.jsonl").open():
         r = json.loads(line)
@@ -625,20 +652,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/spark"), help="work folder (default runs/spark)")
     ap.add_argument("--dest", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
                     help="drafter folder written by calibrate and ngram")
+    ap.add_argument("--model", default=None, help="the target: a checkpoint folder or .gguf (default: the demo model)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kinds", default="text,answer", help="documents for the features stage")
-    ap.add_argument("--minutes", type=float, default=20.0, help="time for the data or fit stage")
+    ap.add_argument("--minutes", type=float, default=20.0, help="time for the data stage and for the fit stage")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    if args.stage in ("data", "all"):
-        stage_data(args.out, args.minutes)
-    if args.stage in ("features", "all"):
-        stage_features(args.out, LAYERS, tuple(args.kinds.split(",")))
-    if args.stage in ("fit", "all"):
-        stage_fit(args.out, args.minutes)
-    if args.stage in ("calibrate", "all"):
-        stage_calibrate(args.out, args.dest)
-    if args.stage in ("ngram", "all"):
-        stage_ngram(args.out, args.dest)
+    r = Recipe(model=args.model, device=args.device)
+    run(args.stage, args.out, args.dest, r, args.minutes, tuple(args.kinds.split(",")))
+
+
+def run(stage: str, out: Path, dest: Path, r: Recipe, minutes: float, kinds: tuple[str, ...] = ("text", "answer")) -> None:
+    """One stage, or all of them in order."""
+    if stage in ("data", "all"):
+        stage_data(out, r, minutes)
+    if stage in ("features", "all"):
+        stage_features(out, r, kinds)
+    if stage in ("fit", "all"):
+        stage_fit(out, r, minutes)
+    if stage in ("calibrate", "all"):
+        stage_calibrate(out, dest, r)
+    if stage in ("ngram", "all"):
+        stage_ngram(out, dest, r)
 
 
 if __name__ == "__main__":
