@@ -484,6 +484,7 @@ class LLM:
         self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0),
                         **{f"{k}_chains": 0 for k in SOURCES[:2]}}
         self._slots: list[_Request | None] = [None] * engine.S
+        self._cancel: set[int] = set()  # request ids to stop at the next step
 
     # -- public -------------------------------------------------------------------------------
 
@@ -505,6 +506,12 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+    def cancel(self, request_id: int) -> None:
+        """Stop one request of a running `stream` (its `output.request_id`): it finishes with
+        finish_reason "cancelled" and the text so far; its slot goes to the next waiting request
+        and the others continue unchanged."""
+        self._cancel.add(request_id)
 
     def stats(self) -> dict[str, float]:
         """Totals over every finished request: tokens, steps, tokens by source, tokens per step."""
@@ -579,6 +586,8 @@ class LLM:
         pending = None
         survival: list[list[float]] = [[] for _ in range(eng.S)]  # per slot, a step or two old
         while waiting or pending or any(slots):
+            if self._cancel:
+                yield from self._drop_cancelled(waiting)
             free = [i for i, r in enumerate(slots) if r is None]
             admitted = []
             while waiting and free:
@@ -603,6 +612,17 @@ class LLM:
                     self._write_trace(*pending)
                 yield from self._absorb(*pending[:3], survival)
             pending = launched
+
+    def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
+        for slot, req in enumerate(self._slots):
+            if req is not None and req.out.request_id in self._cancel:
+                self._finish(req, slot, "cancelled")
+                yield Delta(req.out, self._flush(req), "target")
+        for req in [r for r in waiting if r.out.request_id in self._cancel]:
+            waiting.remove(req)
+            req.out.finish_reason = "cancelled"
+            yield Delta(req.out, "", "target")
+        self._cancel.clear()
 
     def _plan(self, R: int, survival: list[list[float]]) -> tuple[int, int, int]:
         """Static sizes of the next step from what the host knows: the draft budget (DSpark's

@@ -244,6 +244,29 @@ def test_a_stream_stopped_early_frees_its_slots():
     assert llm.generate([[100, 101, 102]], params)[0].token_ids == expected  # nothing left running
 
 
+@pytest.mark.parametrize("spec", ["ngram", "hybrid"])
+def test_one_request_of_a_stream_is_cancelled_and_the_others_go_on(spec):
+    llm = tiny_llm(spec, initializer_range=0.3, vocab_size=128, max_batch_size=2)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[104, 105], [106, 107], [108, 109], [110, 111]]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    outs = {}
+    for delta in llm.stream(prompts, params):
+        o = delta.output
+        outs[o.request_id] = o
+        if len(o.token_ids) >= 3 and o.prompt_token_ids == prompts[1] and not o.finished:
+            llm.cancel(o.request_id)  # a running request
+            llm.cancel(o.request_id + 2)  # one still waiting for a slot (the fourth prompt)
+    by_prompt = {tuple(o.prompt_token_ids): o for o in outs.values()}
+    b, d = by_prompt[tuple(prompts[1])], by_prompt[tuple(prompts[3])]
+    assert b.finish_reason == "cancelled" and 3 <= len(b.token_ids) < 30
+    assert b.token_ids == alone[1][: len(b.token_ids)]
+    assert d.finish_reason == "cancelled" and d.token_ids == []
+    for i in (0, 2):  # the others, one of them in the freed slot, are unchanged
+        assert by_prompt[tuple(prompts[i])].token_ids == alone[i]
+        assert by_prompt[tuple(prompts[i])].finish_reason == "length"
+
+
 def test_trace_accounts_for_every_decoded_token(tmp_path):
     import json
 
