@@ -67,16 +67,20 @@ class SamplingParams:
             raise bad(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63):
+            raise bad(f"seed must be a 64-bit int or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))) or not all(isinstance(s, str) and s for s in self.stop or []):
+            raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple, type(None))) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids or []):
+            raise bad(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+        self.stop_token_ids = list(ids or [])
+        if not isinstance(self.ignore_eos, bool):
+            raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
 
 @dataclass
@@ -524,11 +528,16 @@ class LLM:
     def _make_requests(self, prompts, params) -> list[_Request]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("params must be a SamplingParams or a list of them, one per prompt")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
         # Validate everything before anything runs, so one bad request cannot cost the others.
@@ -550,6 +559,9 @@ class LLM:
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; give at least one character or token")
             ids = self.tokenizer.encode(prompt)
+            if any(not 0 <= t < V for t in ids):
+                raise ValueError(f"prompt {i} encodes to token ids outside the model's vocabulary [0, {V}): "
+                                 f"the tokenizer does not belong to this model")
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             if not ids:

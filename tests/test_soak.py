@@ -144,14 +144,20 @@ def soak():
     return prompts, params, ref, expected
 
 
-@pytest.mark.parametrize("spec,slots", [("ngram", 4), ("off", 5), ("ngram", 3)])
+@pytest.mark.parametrize("spec,slots", [("ngram", 4), ("off", 5), ("ngram", 3), ("hybrid", 4)])
 def test_soak_matches_alone(soak, spec, slots):
+    """Every request equals decoding it alone. Spark tokens are verified by rejection sampling,
+    whose draws depend on the draft and the budget (not only on the request's seed), so in
+    spark and hybrid modes sampled requests are checked for their finish only (their law is
+    tested by chi-square in test_engine)."""
     prompts, params, ref, expected = soak
     llm = tiny_llm(spec, eos=EOS, max_batch_size=slots, max_seq_len=L, **MODEL)
     outs = llm.generate(prompts, params)
     assert len(outs) == len(prompts)
     for i, (o, p, (tokens, text, reason)) in enumerate(zip(outs, params, expected)):
         check_finish(o, p, EOS, L)
+        if spec in ("spark", "hybrid") and p.temperature > 0:
+            continue
         assert o.token_ids == tokens, (i, p)
         assert o.text == text and o.finish_reason == reason, (i, p)
     # The soak covers what it claims to.
@@ -161,10 +167,10 @@ def test_soak_matches_alone(soak, spec, slots):
     assert sum(e[0][-1] == EOS for e in expected) >= 3
     assert sum(bool(p.stop) and e[2] == "stop" and not e[0][-1] in stop_ids_of(p, EOS)
                for p, e in zip(params, expected)) >= 10
-    if spec == "ngram":
-        greedy = sum(o.accepted["ngram"] for o, p in zip(outs, params) if p.temperature == 0)
-        sampled = sum(o.accepted["ngram"] for o, p in zip(outs, params) if p.temperature > 0)
-        assert greedy > 20 and sampled > 5
+    for source in {"ngram": ["ngram"], "hybrid": ["ngram", "spark"]}.get(spec, []):
+        greedy = sum(o.accepted[source] for o, p in zip(outs, params) if p.temperature == 0)
+        sampled = sum(o.accepted[source] for o, p in zip(outs, params) if p.temperature > 0)
+        assert greedy > 20 and sampled > 5, source
     s = llm.stats()
     assert s["requests"] == len(outs)
     assert s["tokens"] == sum(len(o.token_ids) for o in outs)
@@ -395,3 +401,41 @@ def test_cancelled_stream_leaks_nothing(spec, n_read):
     for a, b, p in zip(again, fresh, params2):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.text == b.text
         check_finish(a, p, EOS, L)
+
+
+# -- fuzzed arguments ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                st.text(max_size=4), st.lists(st.integers(-3, V + 3), max_size=3))
+
+
+@pytest.fixture(scope="module")
+def fuzz_llm():
+    llm = tiny_llm("hybrid", eos=EOS, max_batch_size=3, max_seq_len=64, **MODEL)
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return llm, good, llm.generate([[5, 6, 7]], good)[0].token_ids
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.one_of(ANY, st.lists(st.one_of(st.text(max_size=12), st.lists(st.integers(-3, V + 3), max_size=80),
+                                                 ANY), max_size=3)),
+       kw=st.fixed_dictionaries({}, optional={k: st.one_of(ANY, st.floats(0, 2), st.integers(0, 70))
+                                             for k in ("temperature", "top_p", "top_k", "max_tokens", "seed",
+                                                       "stop", "stop_token_ids", "ignore_eos")}))
+def test_fuzzed_generate_arguments_give_a_result_or_a_clear_error(fuzz_llm, prompts, kw):
+    """Whatever the arguments: either outputs that respect them or a ValueError that says what
+    was wrong, before anything runs; the engine then serves the next request exactly as before."""
+    llm, good, expected = fuzz_llm
+    try:
+        params = SamplingParams(**kw)
+        outs = llm.generate(prompts, params)
+    except ValueError as e:
+        assert str(e)
+    else:
+        for o in outs:
+            assert o.finish_reason in ("stop", "length")
+            assert 1 <= len(o.token_ids) <= params.max_tokens
+    assert llm.generate([[5, 6, 7]], good)[0].token_ids == expected
