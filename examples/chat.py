@@ -40,7 +40,7 @@ class Chat:
             raise ValueError(f"unknown spec {spec!r}; choose one of: {', '.join(SPEC_MODES)}")
         old = self.llm
         self.llm = LLM.from_model(old.engine.model, old.tokenizer, spec=spec, max_batch_size=1,
-                                  max_seq_len=old.engine.L)
+                                  max_seq_len=old.engine.L, drafter=old.drafter)
 
     def ask(self, text: str) -> None:
         """Stream one answer; Ctrl-C keeps what was said so far and returns to the prompt."""
@@ -108,8 +108,10 @@ def repl(chat: Chat) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", help="ask this, print the answer and exit")
-    ap.add_argument("--spec", default="ngram", help=f"speculation mode: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--spec", default=None, help=f"speculation mode: {', '.join(SPEC_MODES)} "
+                    "(default: hybrid, or ngram for a model without a drafter)")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
+    ap.add_argument("--drafter", default=None, help="Spark drafter folder for --model (made by minispark train)")
     ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
                     "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
     ap.add_argument("--system", default=None, help="system message")
@@ -120,15 +122,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     a = ap.parse_args()
-    if a.spec not in SPEC_MODES:
+    if a.spec is not None and a.spec not in SPEC_MODES:
         ap.error(f"unknown --spec {a.spec!r}; choose one of: {', '.join(SPEC_MODES)}")
     try:
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
     except ValueError as e:
         ap.error(str(e))
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=a.max_seq_len, dtype=a.dtype,
-                  trace=a.trace)
+        llm = LLM(model=a.model, spec=a.spec, drafter=a.drafter, max_batch_size=1, max_seq_len=a.max_seq_len,
+                  dtype=a.dtype, trace=a.trace)
     chat = Chat(llm, params, a.system)
     if a.prompt is not None:
         chat.ask(a.prompt)

@@ -63,8 +63,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file", nargs="?", help="file to edit (default: a built-in sample)")
     ap.add_argument("instruction", nargs="?", default=None, help='e.g. "rename foo to bar"')
-    ap.add_argument("--spec", default="ngram", help=f"speculation mode: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--spec", default=None, help=f"speculation mode: {', '.join(SPEC_MODES)} "
+                    "(default: hybrid, or ngram for a model without a drafter)")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
+    ap.add_argument("--drafter", default=None, help="Spark drafter folder for --model (made by minispark train)")
     ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
                     "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
@@ -73,7 +75,7 @@ def main() -> int:
     ap.add_argument("--compare", action="store_true", help='also run spec="off" and report the speed-up')
     ap.add_argument("--write", action="store_true", help="save the edited code back to FILE")
     a = ap.parse_args()
-    if a.spec not in SPEC_MODES:
+    if a.spec is not None and a.spec not in SPEC_MODES:
         ap.error(f"unknown --spec {a.spec!r}; choose one of: {', '.join(SPEC_MODES)}")
     if a.max_tokens < 1:
         ap.error("--max-tokens must be at least 1")
@@ -89,8 +91,9 @@ def main() -> int:
     instruction = a.instruction or "Rename the function `count_words` to `word_counts`."
 
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, max_batch_size=1, max_seq_len=4096, dtype=a.dtype, trace=a.trace)
-    console.rule(f"[bold]{escape(instruction)}[/]  (spec={a.spec})")
+        llm = LLM(model=a.model, spec=a.spec, drafter=a.drafter, max_batch_size=1, max_seq_len=4096, dtype=a.dtype,
+                  trace=a.trace)
+    console.rule(f"[bold]{escape(instruction)}[/]  (spec={llm.engine.spec})")
     answer, seconds, stats = edit(llm, code, instruction, a.max_tokens, show=True)
     new = extract_code(answer)
     console.rule("diff")

@@ -1,8 +1,9 @@
-"""The `minispark` command: `minispark chat`, `minispark edit`, `minispark bench`.
+"""The `minispark` command: `minispark chat`, `minispark edit`, `minispark bench`, `minispark train`.
 
     minispark chat --prompt "What is a prime number?"
     minispark edit my.py "rename foo to bar" --compare
-    minispark bench --modes off,ngram --workloads code,chat --batch 1,4
+    minispark bench --modes spark,hybrid --workloads code,chat --batch 1,4
+    minispark train all --out runs/spark --minutes 30
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ COMMANDS = {
     "chat": ("examples/chat.py", "chat in the terminal with streamed answers"),
     "edit": ("examples/code_edit.py", "edit a file with an instruction, tokens coloured by drafter"),
     "bench": ("minispark.bench", "benchmark modes x workloads x batch sizes against transformers"),
+    "train": ("minispark.train", "distil a Spark drafter from its target and calibrate it"),
 }
 
 

@@ -51,8 +51,9 @@ def load_weights(path: str | None):
 
 
 def run_minispark(net, tok: Tokenizer, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
-                  temperature: float, max_seq_len: int, drafter: Path | None) -> Result:
-    llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len, drafter=drafter)
+                  temperature: float, max_seq_len: int, drafter: Path | None, compile: bool = False) -> Result:
+    llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len, drafter=drafter,
+                         compile=compile)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     llm.generate(prompts[:1], SamplingParams(temperature=temperature, max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (the GPU path)")
     ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: spark if run, else the first mode)")
     ap.add_argument("--out", default=None, help="write the Markdown table to this file")
     ap.add_argument("--plot", default=None, help="draw throughput by batch size to this PNG; with "
@@ -230,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         max_seq_len = max(map(len, prompts)) + a.max_tokens + 64
         for b in batches:
             for m in modes:
-                r = run_minispark(net, tok, m, prompts, b, a.max_tokens, a.temperature, max_seq_len, drafter)
+                r = run_minispark(net, tok, m, prompts, b, a.max_tokens, a.temperature, max_seq_len, drafter,
+                                  a.compile)
                 results.append(r)
                 r.workload = w
                 won = f"  chains {r.chains}" if m == "hybrid" else ""
@@ -242,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                 console.print(f"{w:5s} batch {b:3d} {p:8s} {r.tok_s:7.1f} tok/s")
     md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    header = (f"{path.name}, {a.dtype}, {device}, temperature {a.temperature}, {a.n} prompts x "
+    compiled = ", compiled step" if a.compile else ""
+    header = (f"{path.name}, {a.dtype}{compiled}, {device}, temperature {a.temperature}, {a.n} prompts x "
               f"{a.max_tokens} tokens, torch {torch.__version__}")
     table = Table(title=header)
     for line in md.splitlines()[:1]:

@@ -429,18 +429,19 @@ class _Request:
 class LLM:
     """A vLLM-style front end: `LLM().generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | None = None, spec: str = "off", max_batch_size: int = 8,
+    def __init__(self, model: str | None = None, spec: str | None = None, max_batch_size: int = 8,
                  max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
                  seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool = False,
                  cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None):
         """model: a checkpoint folder or .gguf (None = the demo model). spec: "off", "ngram",
-        "spark" or "hybrid". drafter: a folder with a Spark drafter and n-gram table for this
+        "spark" or "hybrid" (None = hybrid where a drafter exists, else ngram). drafter: a folder with a Spark drafter and n-gram table for this
         model (the shipped one for the demo model). ngram_k: the longest n-gram chain;
         draft_budget: the most draft tokens verified per step, batch-wide; compile: torch.compile
         the decode step (the GPU path; eager is faster to start on a CPU); cost: a step-time
         table (profiled on this device at start-up when None); trace: a file that gets one JSON
         line per step (each slot's chain, estimates, verified and accepted)."""
-        check_spec(spec)
+        if spec is not None:
+            check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not isinstance(max_seq_len, int) or max_seq_len < 8:
@@ -452,10 +453,13 @@ class LLM:
         net, path = load_model(model, dtype=torch_dtype, device=device)
         if drafter is None and model is None:
             drafter = DEMO_DRAFTER
+        if spec is None:  # the best mode available: hybrid needs a drafter trained for this model
+            spec = "hybrid" if drafter is not None else "ngram"
         spark, table = load_drafters(spec, drafter, net)
         engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, spark=spark, ngram_table=table,
                         draft_budget=draft_budget, compile=compile)
         self._setup(engine, Tokenizer.from_path(path), seed, cost, trace)
+        self.drafter = drafter  # the folder, so that a mode switch can reload it
 
     @classmethod
     def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
@@ -475,6 +479,7 @@ class LLM:
         engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, spark=spark,
                         ngram_table=ngram_table, draft_budget=draft_budget, compile=compile)
         self._setup(engine, tokenizer, seed, cost, trace)
+        self.drafter = drafter
         return self
 
     def _setup(self, engine: Engine, tokenizer: Tokenizer, seed: int, cost: price.CostModel | None,

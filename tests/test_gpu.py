@@ -1,0 +1,70 @@
+"""The CUDA path: the compiled step gives the eager step's tokens on the GPU without
+recompiling for new prompts, and greedy output on the GPU is the CPU's. These tests need a CUDA
+device and skip without one; `scripts/gpu_check.py` runs them (`pytest -m gpu`) on a GPU machine."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import FLAT_COST, ByteTokenizer, bigram_drafter, tiny_pair
+from minispark.engine import LLM, SPEC_MODES, Engine, SamplingParams
+from minispark.model import Transformer
+from minispark.weights import args_from_hf_config, build_model
+from test_compile import run_steps
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def cuda_pair(seed: int = 0, **overrides) -> tuple[Transformer, Transformer]:
+    """(cpu_model, cuda_model) in fp32 with tiny_pair's weights for this seed. Built on the
+    device rather than moved there: the model's rope frequencies are a plain attribute."""
+    hf, cpu = tiny_pair(seed, **overrides)
+    cuda = build_model(args_from_hf_config(hf.config.to_dict()), hf.state_dict(), torch.float32, "cuda")
+    return cpu, cuda
+
+
+@pytest.mark.parametrize("spec", SPEC_MODES)
+def test_compiled_step_matches_eager_on_cuda(spec):
+    torch._dynamo.reset()
+    cpu, eager_net = cuda_pair(3, initializer_range=0.1, vocab_size=48)
+    _, compiled_net = cuda_pair(3, initializer_range=0.1, vocab_size=48)
+    # One drafter per engine, made from the CPU copy (the engine moves it to the device).
+    eager = Engine(eager_net, spec, 4, 160, spark=bigram_drafter(cpu))
+    compiled = Engine(compiled_net, spec, 4, 160, spark=bigram_drafter(cpu), compile=True)
+    rng = random.Random(0)
+    samplings = [False, True] if spec in ("ngram", "hybrid") else [False]
+    try:
+        for trial in range(2):
+            # The first trial compiles; the second, with new prompts of new lengths, must not.
+            torch._dynamo.config.error_on_recompile = trial > 0
+            frag = [rng.randrange(3, 48) for _ in range(3)]
+            prompts = [frag * 4, [rng.randrange(3, 48) for _ in range(rng.randrange(2, 20))],
+                       frag * 2 + [5], [rng.randrange(3, 48) for _ in range(rng.randrange(2, 20))]]
+            for sampling in samplings:
+                for a, b in zip(run_steps(eager, prompts, sampling), run_steps(compiled, prompts, sampling)):
+                    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "abcabcabcabc", "the cat and the cat and",
+           "x = [1, 2, 3]\ny = [1, 2,"]
+
+
+# Compiled, only "off": its few graphs (one per row bucket) compile quickly; the speculative
+# modes' compiled steps are compared with eager ones above.
+@pytest.mark.parametrize("spec,compile", [(s, False) for s in SPEC_MODES] + [("off", True)])
+def test_greedy_output_on_cuda_matches_cpu(spec, compile):
+    torch._dynamo.reset()
+    cpu, cuda = cuda_pair(1, initializer_range=0.1)  # wide logits: no near-ties for rounding to flip
+
+    def run(net: Transformer, compile: bool) -> list[tuple[list[int], str]]:
+        llm = LLM.from_model(net, ByteTokenizer(eos=2), spec=spec, max_batch_size=4, max_seq_len=256,
+                             cost=FLAT_COST, drafter=bigram_drafter(cpu), compile=compile)
+        # Five prompts on four slots: one waits for a free slot, as in continuous batching.
+        outs = llm.generate(PROMPTS + PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=40))
+        return [(o.token_ids, o.finish_reason) for o in outs]
+
+    assert run(cuda, compile) == run(cpu, False)
