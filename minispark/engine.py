@@ -22,7 +22,7 @@ from . import price, verify
 from .drafters import NgramDrafter, SparkDrafter
 from .model import Batch, Transformer
 from .tokenizer import Tokenizer
-from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table
+from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table, progress
 
 SPEC_MODES = ("off", "ngram", "spark", "hybrid")
 SOURCES = ("ngram", "spark", "target")
@@ -350,7 +350,7 @@ class Engine:
         self.active.zero_()
         times = []
         try:
-            for B in budgets:
+            for B in progress(list(budgets), "timing steps for the cost table"):
                 args = (self.S, B, chain_width(self.K, B, self.S), min(self.L, 512), False)
                 self.step(*args)  # warm-up
                 best = float("inf")

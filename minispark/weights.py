@@ -183,7 +183,7 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
     try:
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
-            return {name: f.get_tensor(name) for name in _progress(names, f"reading {path.name}")}
+            return {name: f.get_tensor(name) for name in progress(names, f"reading {path.name}")}
     except (SafetensorError, OSError) as e:  # safetensors checks the header and sizes on opening
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {e}") from None
 
@@ -211,7 +211,7 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor]]:
     tensors = {t.name: t for t in reader.tensors}
     args = _args_from_gguf(meta, arch, tensors, path)
     hf_sd = {}
-    for t in _progress(reader.tensors, f"de-quantising {path.name}"):
+    for t in progress(reader.tensors, f"de-quantising {path.name}"):
         if t.name == "rope_freqs.weight":
             continue  # already folded into args.rope_scaling
         name = _hf_name(t.name)
@@ -417,7 +417,7 @@ def _fetch_demo(dest: Path) -> Path:
     return dest
 
 
-def _progress(items: list, what: str) -> Iterator:
+def progress(items: list, what: str) -> Iterator:
     """Iterate with a transient progress bar on stderr, when stderr is a terminal (in a log, rich
     would leave an empty line per bar)."""
     from rich.console import Console
