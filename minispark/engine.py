@@ -431,15 +431,16 @@ class LLM:
 
     def __init__(self, model: str | None = None, spec: str | None = None, max_batch_size: int = 8,
                  max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
-                 seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool = False,
+                 seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool | None = None,
                  cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None):
         """model: a checkpoint folder or .gguf (None = the demo model). spec: "off", "ngram",
-        "spark" or "hybrid" (None = hybrid where a drafter exists, else ngram). drafter: a folder with a Spark drafter and n-gram table for this
-        model (the shipped one for the demo model). ngram_k: the longest n-gram chain;
-        draft_budget: the most draft tokens verified per step, batch-wide; compile: torch.compile
-        the decode step (the GPU path; eager is faster to start on a CPU); cost: a step-time
-        table (profiled on this device at start-up when None); trace: a file that gets one JSON
-        line per step (each slot's chain, estimates, verified and accepted)."""
+        "spark" or "hybrid" (None = hybrid where a drafter exists, else ngram). drafter: a folder
+        with a Spark drafter and n-gram table for this model (the shipped one for the demo
+        model). ngram_k: the longest n-gram chain; draft_budget: the most draft tokens verified
+        per step, batch-wide; compile: torch.compile the decode step (None = on CUDA only; eager
+        is faster to start on a CPU); cost: a step-time table (profiled on this device at
+        start-up when None); trace: a file that gets one JSON line per step (each slot's chain,
+        estimates, verified and accepted)."""
         if spec is not None:
             check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -450,6 +451,8 @@ class LLM:
         if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
             raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if compile is None:  # one graph per step on a GPU; on a CPU compiling costs more than it gives
+            compile = torch.device(device).type == "cuda"
         net, path = load_model(model, dtype=torch_dtype, device=device)
         if drafter is None and model is None:
             drafter = DEMO_DRAFTER
