@@ -683,7 +683,7 @@ class LLM:
                 o.accepted[SOURCES[source[i]] if j < n_draft[i] else "target"] += 1
                 stopped = self._append(req, tok)
                 if stopped or (reason and j == n[i] - 1):
-                    self._finish(req, slot, "stop" if stopped else reason)
+                    self._finish(req, slot, "stop" if stopped else reason, cut=stopped)
                 delta = self._flush(req)
                 if delta or o.finished:
                     yield Delta(o, delta, SOURCES[source[i]] if j < n_draft[i] else "target")
@@ -725,9 +725,10 @@ class LLM:
         delta, req.sent = o.text[req.sent:end], end
         return delta
 
-    def _finish(self, req: _Request, slot: int, reason: str) -> None:
+    def _finish(self, req: _Request, slot: int, reason: str, cut: bool = False) -> None:
+        """cut: a stop string ended the text, so bytes held by the decoder belong after it."""
         o = req.out
-        if reason != "stop" or not req.params.stop:
+        if not cut:
             o.text += req.decoder.decode(b"", final=True)
         o.finish_reason = reason
         self._slots[slot] = None
