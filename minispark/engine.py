@@ -128,6 +128,7 @@ class Drafts(NamedTuple):
     ngram: Tensor  # [R, W] n-gram tokens
     ngram_a: Tensor  # [R, W] their survival (0 past the valid length)
     m: Tensor  # [R] match lengths
+    ngram_valid: Tensor  # [R] proposed n-gram tokens
     spark: Tensor  # [R, W] Spark tokens to verify (sampled when sampling)
     spark_a: Tensor  # [R, W] survival along Spark's greedy path (depends on the context alone)
     spark_q: Tensor | None  # [R, W, Vd] draft distributions of the sampled tokens
@@ -256,7 +257,7 @@ class Engine:
         if self.spark:
             self.spark.write_context(hidden, batch.slot, batch.pos)
         if self.ngram:
-            self.ng_last[:R] = price.ngram_outcome(d.ngram, d.ngram_a[:, 0] > 0, out, n_out, self.ng_last[:R])
+            self.ng_last[:R] = price.ngram_outcome(d.ngram, d.ngram_valid, out, n_out, self.ng_last[:R])
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
         source = torch.where(length == 0, SOURCES.index("target"),
                              torch.where(use_spark, SOURCES.index("spark"), SOURCES.index("ngram")))
@@ -269,6 +270,7 @@ class Engine:
         room = torch.where(self.active[:R], (self.L - 2 - self.lens[:R]).clamp(min=0), 0)
         zeros = torch.zeros(R, K, device=dev)
         ng_tok, ng_a, m = zeros.long(), zeros, torch.zeros(R, dtype=torch.long, device=dev)
+        valid = m
         if self.ngram:
             # The anchor next_tok sits at tokens[lens]. An idle row may hold a finished request
             # longer than this step's attended prefix: it matches nothing.
@@ -285,7 +287,7 @@ class Engine:
                                                         self.temperature[:R] if sampling else None, u)
             sp_tok, sp_a = pad(sampled, K), pad(price.survival(conf, room.clamp(max=g)), K)
             q = None if q is None else pad(q, K)
-        return Drafts(ng_tok, ng_a, m, sp_tok, sp_a, q)
+        return Drafts(ng_tok, ng_a, m, valid, sp_tok, sp_a, q)
 
     def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
         """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed

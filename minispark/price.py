@@ -139,26 +139,31 @@ def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int, rounds: int = 2
 # ----------------------------------------------------------------------------- n-gram calibration
 
 # The table's first index: how the slot's previous n-gram proposal fared against the tokens the
-# step then emitted. A copy that was right last step is likely right again (code edits), one
-# that was wrong is likely wrong again (free text).
-NO_PROPOSAL, WRONG, RIGHT = 0, 1, 2
+# step then emitted. A copy that agreed with everything is likely right again (code edits); one
+# that was wrong from its first token is likely wrong again (free text).
+NO_PROPOSAL, WRONG, PARTIAL, RIGHT = 0, 1, 2, 3
 
 
-def ngram_outcome(proposal: Tensor, proposed: Tensor, out: Tensor, n_out: Tensor, last: Tensor) -> Tensor:
-    """The new state [R] of each row: NO_PROPOSAL, WRONG or RIGHT by whether its proposal's
-    first token is the one the step emitted first; rows that emitted nothing keep `last`."""
-    right = proposal[:, 0] == out[:, 0]
-    state = torch.where(proposed, torch.where(right, RIGHT, WRONG), NO_PROPOSAL)
+def ngram_outcome(proposal: Tensor, valid: Tensor, out: Tensor, n_out: Tensor, last: Tensor) -> Tensor:
+    """The new state [R] of each row: NO_PROPOSAL; WRONG when the proposal's first token is not
+    the first token emitted; RIGHT when it agrees with every emitted token it covers; PARTIAL
+    between. Rows that emitted nothing keep `last`."""
+    W = min(proposal.shape[1], out.shape[1])
+    col = torch.arange(W, device=out.device)[None, :]
+    same = (proposal[:, :W] == out[:, :W]) & (col < n_out[:, None])
+    agree = same.long().cumprod(-1).sum(-1)  # leading emitted tokens the proposal had
+    state = torch.where(agree == 0, WRONG, torch.where(agree >= torch.minimum(n_out, valid), RIGHT, PARTIAL))
+    state = torch.where(valid > 0, state, NO_PROPOSAL)
     return torch.where(n_out > 0, state, last)
 
 
 def default_ngram_table(n_max: int, k: int) -> Tensor:
-    """[3, n_max + 1, k] guesses for models without a fitted table: the first copied token is
+    """[4, n_max + 1, k] guesses for models without a fitted table: the first copied token is
     uncertain, later ones (after an accepted one) mostly right, more so after a right copy."""
-    first = torch.tensor([0.3, 0.15, 0.6])[:, None, None]
-    rest = torch.tensor([0.75, 0.6, 0.9])[:, None, None]
+    first = torch.tensor([0.3, 0.15, 0.5, 0.7])[:, None, None]
+    rest = torch.tensor([0.75, 0.6, 0.8, 0.9])[:, None, None]
     col = torch.arange(k)[None, None, :]
-    return torch.where(col == 0, first, rest).expand(3, n_max + 1, k).clone()
+    return torch.where(col == 0, first, rest).expand(4, n_max + 1, k).clone()
 
 
 def fit_table_width(table: Tensor, k: int) -> Tensor:

@@ -553,7 +553,7 @@ def simulate_ngram(docs: list[tuple[list[int], int]], k: int = 32, batch: int = 
     docs: (ids, where the answer starts). Returns per step and chain position: the state of the
     last proposal, the match length m, whether position j was reached and whether accepted."""
     from .drafters import NgramDrafter
-    from .price import NO_PROPOSAL, RIGHT, WRONG
+    from .price import NO_PROPOSAL, PARTIAL, RIGHT, WRONG
 
     drafter = NgramDrafter(k=k)
     logs = {"state": [], "m": [], "reached": [], "accepted": []}
@@ -578,7 +578,9 @@ def simulate_ngram(docs: list[tuple[list[int], int]], k: int = 32, batch: int = 
             reached = (col < valid[:, None]) & (col <= acc[:, None]) & live[:, None]
             logs["state"].append(state[live]); logs["m"].append(m[live])
             logs["reached"].append(reached[live]); logs["accepted"].append((col < acc[:, None])[live])
-            state = torch.where(valid > 0, torch.where(draft[:, 0] == truth[:, 0], RIGHT, WRONG), NO_PROPOSAL)
+            # As the engine judges it: the step emits acc + 1 tokens, the last one not a copy.
+            state = torch.where(acc == 0, WRONG, torch.where(acc >= valid, RIGHT, PARTIAL))
+            state = torch.where(valid > 0, state, NO_PROPOSAL)
             p = torch.where(live, p + acc + 1, p)
     return {name: torch.cat(v) for name, v in logs.items()}
 
@@ -602,7 +604,7 @@ def fit_ngram_table(log: dict, n_max: int = 8, k: int = 32, strength: float = 4.
     c_j = (a_j + 1) / (n_j + 2)
     a_mj, n_mj = counts([m_ix], (n_max + 1, k))
     c_mj = (a_mj + strength * c_j) / (n_mj + strength)
-    a_smj, n_smj = counts([s_ix, m_ix], (3, n_max + 1, k))
+    a_smj, n_smj = counts([s_ix, m_ix], (4, n_max + 1, k))
     return (a_smj + strength * c_mj) / (n_smj + strength)
 
 

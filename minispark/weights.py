@@ -481,7 +481,7 @@ def load_drafter(folder: str | Path, target: ModelArgs, dtype: torch.dtype, devi
 def save_ngram_table(folder: str | Path, table: Tensor, report: dict | None = None) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    obj = {"index": "[last proposal: none|wrong|right][match length m][chain position j]",
+    obj = {"index": "[last proposal: none|wrong|partly right|right][match length m][chain position j]",
            "table": [[[round(x, 4) for x in row] for row in plane] for plane in table.tolist()],
            "report": report or {}}
     (folder / "ngram.json").write_text(json.dumps(obj) + "\n")
@@ -495,6 +495,6 @@ def load_ngram_table(folder: str | Path) -> Tensor:
         table = torch.tensor(obj["table"], dtype=torch.float32)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} does not hold an n-gram table: {e}") from None
-    if table.ndim != 3 or table.shape[0] != 3 or not ((table >= 0) & (table <= 1)).all():
-        raise ValueError(f"{path}: the table must be [3, m, j] probabilities in [0, 1], got shape {tuple(table.shape)}")
+    if table.ndim != 3 or table.shape[0] != 4 or not ((table >= 0) & (table <= 1)).all():
+        raise ValueError(f"{path}: the table must be [4, m, j] probabilities in [0, 1], got shape {tuple(table.shape)}")
     return table

@@ -202,9 +202,11 @@ def test_chain_choice_equals_brute_force(data):
 
 
 def test_ngram_outcome_states():
-    proposal = torch.tensor([[5, 6], [5, 6], [5, 6], [5, 6]])
-    proposed = torch.tensor([True, True, False, True])
-    out = torch.tensor([[5, 9], [7, 0], [5, 0], [5, 0]])
-    n_out = torch.tensor([2, 1, 1, 0])
-    last = torch.tensor([0, 0, 2, 1])
-    assert ngram_outcome(proposal, proposed, out, n_out, last).tolist() == [2, 1, 0, 1]
+    proposal = torch.tensor([[5, 6, 7]] * 6)
+    valid = torch.tensor([3, 3, 0, 3, 2, 3])
+    out = torch.tensor([[5, 6, 9], [7, 0, 0], [5, 0, 0], [5, 0, 0], [5, 6, 1], [5, 6, 7]])
+    n_out = torch.tensor([3, 1, 1, 0, 3, 2])
+    last = torch.tensor([0, 0, 2, 1, 0, 0])
+    # partly right; wrong; no proposal; emitted nothing (kept); all two copies then the bonus;
+    # a chain cut by the budget whose next copy is the bonus
+    assert ngram_outcome(proposal, valid, out, n_out, last).tolist() == [2, 1, 0, 1, 3, 3]

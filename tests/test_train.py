@@ -108,7 +108,7 @@ def test_ngram_replay_and_table():
     log = train.simulate_ngram(docs, k=8)
     assert log["reached"].shape[1] == 8 and (log["accepted"] <= log["reached"]).all()
     table = train.fit_ngram_table(log, n_max=8, k=8)
-    assert table.shape == (3, 9, 8) and ((table >= 0) & (table <= 1)).all()
+    assert table.shape == (4, 9, 8) and ((table >= 0) & (table <= 1)).all()
     rate = log["accepted"][log["reached"]].float().mean()
     assert 0.5 < rate < 1  # copies mostly right, the made-up last document not always
     assert train.table_ece(table, log) < 0.2
