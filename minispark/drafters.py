@@ -132,6 +132,15 @@ class DraftLayer(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def block_mask(ctx_mask: Tensor, g: int) -> Tensor:
+    """[B, 1, A*g, C + A*g] bool: each block's queries see the context its anchor may see
+    (ctx_mask [B, A, C]: positions before the anchor) and every position of their own block,
+    both ways, but no other block."""
+    B, A, _ = ctx_mask.shape
+    same = torch.eye(A, dtype=torch.bool, device=ctx_mask.device).repeat_interleave(g, 0).repeat_interleave(g, 1)
+    return torch.cat([ctx_mask.repeat_interleave(g, 1), same.expand(B, -1, -1)], dim=-1)[:, None]
+
+
 class SparkDrafter(nn.Module):
     """One parallel pass drafts a block of g tokens and scores each one's chance of acceptance.
 
@@ -212,8 +221,7 @@ class SparkDrafter(nn.Module):
         x = x.flatten(1, 2)  # [B, Q, dim]
         qpos = (pos[:, :, None] + torch.arange(g, device=pos.device)).flatten(1)  # [B, Q]
         cos, sin = self.rope(qpos, x.dtype)
-        same = torch.eye(A, dtype=torch.bool, device=pos.device).repeat_interleave(g, 0).repeat_interleave(g, 1)
-        mask = torch.cat([ctx_mask.repeat_interleave(g, 1), same.expand(B, -1, -1)], dim=-1)[:, None]
+        mask = block_mask(ctx_mask, g)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x)
