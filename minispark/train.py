@@ -3,17 +3,17 @@
     python -m minispark.train all --out runs/spark --minutes 30     # the whole recipe
     python -m minispark.train data|features|fit|calibrate|ngram --out runs/spark
 
-Stages (each resumable, each reading the previous one's files in `--out`):
+Stages (each resumable, each reading the previous one's files in `--out`; sizes in `Recipe`):
   data       prompts on many topics, answered greedily by the target itself, plus text it reads
              (the Python standard library's source and pydoc topics): answers.jsonl, text.jsonl
   features   one target pass over every document: the hidden states of the drafter's layers and
-             the target's top-k next-token distribution (the teacher): features.pt
+             the target's top-k next-token distribution (the teacher): features/*.pt
   fit        trains the drafter (0.1 CE + 0.9 TV + BCE(conf, 1 - TV), decaying position weights)
-             from a resumable checkpoint: ckpt.pt
-  calibrate  per-position temperatures of the confidences, fitted left to right on held-out text,
-             and the acceptance and ECE they give: writes the shipped drafter folder
-  ngram      logs the n-gram drafter's proposals on held-out answers and fits the table
-             P(token j accepted | tokens < j accepted, match length m)
+             from a resumable checkpoint: ckpt.pt, and the best so far: best.pt
+  calibrate  per-position temperatures of the confidences, fitted left to right on held-out
+             answers, and the acceptance and ECE they give: spark.safetensors + spark.json in --dest
+  ngram      replays the n-gram drafter over the target's answers and fits the table
+             P(token j accepted | tokens < j accepted, last outcome, match length m): ngram.json
 """
 from __future__ import annotations
 
