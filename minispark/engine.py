@@ -250,7 +250,7 @@ class Engine:
         chain = torch.where(use_spark[:, None], d.spark, d.ngram)[:, :width]  # [R, width]
         batch = self.pack(R, chain, length, ctx, budget)
         logits, hidden = self.model(batch, hidden_layers=self.feature_layers())  # [T, V], [T, F, dim]
-        q = None if d.spark_q is None else torch.where(use_spark[:, None, None], d.spark_q[:, :width], 0.0)
+        q = None if d.spark_q is None else d.spark_q[:, :width]  # read only on rows that use Spark
         out, n_out = self.accept(logits, batch, chain, q, use_spark, length, sampling)
         n_out = torch.where(self.active[:R], n_out, 0)
         n, finish = self.commit(R, out, n_out, self.non_finite(logits, batch, R))
@@ -283,7 +283,7 @@ class Engine:
         if self.spark:
             g = self.spark.args.block
             u = verify.uniform_block(self.seed[:R], self.lens[:R], g, self.spark.args.draft_vocab) if sampling else None
-            greedy, conf, q, sampled = self.spark.draft(self.next_tok[:R], self.lens[:R], ctx,
+            _, conf, q, sampled = self.spark.draft(self.next_tok[:R], self.lens[:R], ctx,
                                                         self.temperature[:R] if sampling else None, u)
             sp_tok, sp_a = pad(sampled, K), pad(price.survival(conf, room.clamp(max=g)), K)
             q = None if q is None else pad(q, K)

@@ -31,12 +31,16 @@ def test_compiled_step_matches_eager_without_recompiling(spec):
     eager = Engine(net, spec, 4, 160, spark=bigram_drafter(net))
     _, net2 = tiny_pair(3, initializer_range=0.1, vocab_size=48)
     compiled = Engine(net2, spec, 4, 160, spark=bigram_drafter(net2), compile=True)
+    assert_compiled_matches_eager(eager, compiled, spec, trials=3)
+
+
+def assert_compiled_matches_eager(eager: Engine, compiled: Engine, spec: str, trials: int) -> None:
+    """The first trial compiles one graph per sampling flag; later ones, with new prompts of new
+    lengths (vocabulary 48), must reuse them and give the eager step's tokens."""
     rng = random.Random(0)
     samplings = [False, True] if spec in ("ngram", "hybrid") else [False]
     try:
-        for trial in range(3):
-            # The first trial compiles one graph per sampling flag; later ones, with new prompts
-            # of new lengths, must reuse them.
+        for trial in range(trials):
             torch._dynamo.config.error_on_recompile = trial > 0
             frag = [rng.randrange(3, 48) for _ in range(3)]
             prompts = [frag * 4, [rng.randrange(3, 48) for _ in range(rng.randrange(2, 20))],

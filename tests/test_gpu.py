@@ -3,8 +3,6 @@ recompiling for new prompts, and greedy output on the GPU is the CPU's. These te
 device and skip without one; `scripts/gpu_check.py` runs them (`pytest -m gpu`) on a GPU machine."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from conftest import FLAT_COST, ByteTokenizer, bigram_drafter, tiny_pair
 from minispark.engine import LLM, SPEC_MODES, Engine, SamplingParams
 from minispark.model import Transformer
 from minispark.weights import args_from_hf_config, build_model
-from test_compile import run_steps
+from test_compile import assert_compiled_matches_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -33,20 +31,7 @@ def test_compiled_step_matches_eager_on_cuda(spec):
     # One drafter per engine, made from the CPU copy (the engine moves it to the device).
     eager = Engine(eager_net, spec, 4, 160, spark=bigram_drafter(cpu))
     compiled = Engine(compiled_net, spec, 4, 160, spark=bigram_drafter(cpu), compile=True)
-    rng = random.Random(0)
-    samplings = [False, True] if spec in ("ngram", "hybrid") else [False]
-    try:
-        for trial in range(2):
-            # The first trial compiles; the second, with new prompts of new lengths, must not.
-            torch._dynamo.config.error_on_recompile = trial > 0
-            frag = [rng.randrange(3, 48) for _ in range(3)]
-            prompts = [frag * 4, [rng.randrange(3, 48) for _ in range(rng.randrange(2, 20))],
-                       frag * 2 + [5], [rng.randrange(3, 48) for _ in range(rng.randrange(2, 20))]]
-            for sampling in samplings:
-                for a, b in zip(run_steps(eager, prompts, sampling), run_steps(compiled, prompts, sampling)):
-                    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    finally:
-        torch._dynamo.config.error_on_recompile = False
+    assert_compiled_matches_eager(eager, compiled, spec, trials=2)
 
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "abcabcabcabc", "the cat and the cat and",
