@@ -115,8 +115,9 @@ def main() -> int:
     ap.add_argument("--trace", default=None, help="write one JSON line per decode step to this file "
                     "(draw it with: python -m minispark.bench --trace FILE --plot steps.png)")
     ap.add_argument("--system", default=None, help="system message")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
-                    help="weights and activations (float32 is exact but about twice as slow on a CPU)")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32", "float16"), default="auto",
+                    help="weights and activations (auto: bfloat16 where the hardware computes in it, "
+                    "else float32, which is exact)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=512)

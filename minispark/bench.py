@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .engine import LLM, SPEC_MODES, SamplingParams
+from .engine import LLM, SPEC_MODES, SamplingParams, resolve_dtype
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, build_model, default_model, load_gguf, load_hf_folder
 from .workloads import workload
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=8, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 where the hardware computes in it, "
+                    "else float32), bfloat16, float32 or float16")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (the GPU path)")
     ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: spark if run, else the first mode)")
     ap.add_argument("--out", default=None, help="write the Markdown table to this file")
@@ -218,11 +219,12 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}")
     peers = [p for p in a.peers.split(",") if p and p != "none"]
     batches = [int(b) for b in a.batch.split(",")]
-    dtype = getattr(torch, a.dtype)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(a.dtype, device)
 
     drafter = Path(a.drafter) if a.drafter else (DEMO_DRAFTER if a.model is None else None)
     path, args, hf_sd = load_weights(a.model)
-    net = build_model(args, hf_sd, dtype, "cpu" if not torch.cuda.is_available() else "cuda")
+    net = build_model(args, hf_sd, dtype, device)
     tok = Tokenizer.from_path(path)
     peer_model = hf_model(args, hf_sd, dtype) if peers else None
     del hf_sd
@@ -244,9 +246,10 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(r)
                 console.print(f"{w:5s} batch {b:3d} {p:8s} {r.tok_s:7.1f} tok/s")
     md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]))
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     compiled = ", compiled step" if a.compile else ""
-    header = (f"{path.name}, {a.dtype}{compiled}, {device}, temperature {a.temperature}, {a.n} prompts x "
+    header = (f"{path.name}, {str(dtype).removeprefix('torch.')}{compiled}, {where}, temperature {a.temperature}, "
+              f"{a.n} prompts x "
               f"{a.max_tokens} tokens, torch {torch.__version__}")
     table = Table(title=header)
     for line in md.splitlines()[:1]:

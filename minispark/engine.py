@@ -116,7 +116,9 @@ class StepOut:
     n_draft: Tensor  # [R] of those, drafted tokens accepted
     source: Tensor  # [R] index into SOURCES of the verified chain
     finish: Tensor  # [R] 0 running, 1 stop, 2 length
-    survival: Tensor  # [R, K] updated survival estimates: the host's budget for the next step
+    survival: Tensor  # [R, K] survival of the chain each row verified (the trace shows it)
+    ngram_a: Tensor  # [R, K] this step's survival estimates of both chains: the host plans the
+    spark_a: Tensor  # [R, K] next step with them (Spark's are zeros when its pass was skipped)
     length: Tensor  # [R] drafted tokens verified
 
 
@@ -217,9 +219,10 @@ class Engine:
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
         zero = torch.zeros_like(lens)
-        # Until a step has run, the host budgets with a guess: every chain token even odds.
+        # Until a step has run, the host plans with a guess: every chain token even odds.
         guess = torch.full((R, self.K), 0.5, device=dev).cumprod(-1)
-        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, guess, zero)
+        return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, guess,
+                       guess if self.ngram else 0 * guess, guess if self.spark else 0 * guess, zero)
 
     def feature_layers(self) -> tuple[int, ...]:
         return self.spark.args.target_layers if self.spark else ()
@@ -234,17 +237,18 @@ class Engine:
     # -- the decode step ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, R: int, budget: int, width: int, ctx: int, sampling: bool) -> StepOut:
+    def step(self, R: int, budget: int, width: int, ctx: int, sampling: bool, spark_pass: bool = True) -> StepOut:
         width = min(width, self.K, budget)  # no chain is longer than the budget
-        return self._step(R, budget if width else 0, width, ctx, sampling)
+        return self._step(R, budget if width else 0, width, ctx, sampling, spark_pass and self.spark is not None)
 
-    def decode_step(self, R: int, budget: int, width: int, ctx: int, sampling: bool) -> StepOut:
+    def decode_step(self, R: int, budget: int, width: int, ctx: int, sampling: bool, spark_pass: bool) -> StepOut:
         """One decode step over slots [0, R): draft, allocate, pack, verify, accept, commit.
 
         R, budget (draft tokens verified, batch-wide), width (the longest chain), ctx (attended
-        cache prefix) and sampling are chosen by the host from what it already knows, so each
-        combination is one static graph; nothing here reads a tensor value on the host."""
-        d = self.draft(R, ctx, sampling)
+        cache prefix), sampling and spark_pass (whether Spark drafts this step) are chosen by
+        the host from what it already knows, so each combination is one static graph; nothing
+        here reads a tensor value on the host."""
+        d = self.draft(R, ctx, sampling, spark_pass)
         use_spark, a = price.choose_chains(d.ngram_a, d.spark_a, budget)  # [R], [R, W]
         length = price.admit_top(a[:, :width], budget)  # [R], at most `width` each
         chain = torch.where(use_spark[:, None], d.spark, d.ngram)[:, :width]  # [R, width]
@@ -261,10 +265,11 @@ class Engine:
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
         source = torch.where(length == 0, SOURCES.index("target"),
                              torch.where(use_spark, SOURCES.index("spark"), SOURCES.index("ngram")))
-        return StepOut(out, n, n_draft, source, finish, a, length)
+        return StepOut(out, n, n_draft, source, finish, a, d.ngram_a, d.spark_a, length)
 
-    def draft(self, R: int, ctx: int, sampling: bool) -> Drafts:
-        """Both drafters on every row (the ones this mode uses), padded to the width K."""
+    def draft(self, R: int, ctx: int, sampling: bool, spark_pass: bool = True) -> Drafts:
+        """Both drafters on every row (the ones this mode uses; Spark unless the host skips its
+        pass this step), padded to the width K."""
         dev, K = self.device, self.K
         # Room in the cache: a chain and the token after it must fit below L.
         room = torch.where(self.active[:R], (self.L - 2 - self.lens[:R]).clamp(min=0), 0)
@@ -280,7 +285,7 @@ class Engine:
             conf = self.ng_table[self.ng_last[:R], m]  # [R, k]: calibrated P(token j ok | < j ok)
             ng_tok, ng_a = pad(tok, K), pad(price.survival(conf, valid), K)
         sp_tok, sp_a, q = zeros.long(), zeros, None
-        if self.spark:
+        if self.spark and spark_pass:
             g = self.spark.args.block
             u = verify.uniform_block(self.seed[:R], self.lens[:R], g, self.spark.args.draft_vocab) if sampling else None
             _, conf, q, sampled = self.spark.draft(self.next_tok[:R], self.lens[:R], ctx,
@@ -344,26 +349,33 @@ class Engine:
 
     @torch.no_grad()
     def profile(self, budgets: Sequence[int], repeats: int = 3) -> price.CostModel:
-        """Time whole steps of all S rows, every slot idle (all tokens padding), for each budget:
-        the cost table the host budgets with. Idle slots change no state but the scratch row.
-        All rows take part, as in a full batch: attention over the R x (width + 1) query grid
-        grows with the rows, so a one-row profile would make drafts look cheaper than they are."""
+        """Time whole steps of all S rows, every slot idle (all tokens padding), for each budget
+        without the Spark pass, then the Spark pass itself: the cost table the host plans with.
+        Idle slots change no state but the scratch row. All rows take part, as in a full batch:
+        attention over the R x (width + 1) query grid grows with the rows, so a one-row profile
+        would make drafts look cheaper than they are."""
         active = self.active.clone()
         self.active.zero_()
-        times = []
+
+        def seconds(B: int, spark_pass: bool, repeats: int = repeats) -> float:
+            args = (self.S, B, chain_width(self.K, B, self.S), min(self.L, 512), False, spark_pass)
+            self.step(*args)  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.step(*args).n.cpu()  # .cpu() waits for the device
+                best = min(best, time.perf_counter() - start)
+            return best
+
         try:
-            for B in progress(list(budgets), "timing steps for the cost table"):
-                args = (self.S, B, chain_width(self.K, B, self.S), min(self.L, 512), False)
-                self.step(*args)  # warm-up
-                best = float("inf")
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    self.step(*args).n.cpu()  # .cpu() waits for the device
-                    best = min(best, time.perf_counter() - start)
-                times.append(best)
+            times = [seconds(B, False) for B in progress(list(budgets), "timing steps for the cost table")]
+            spark = 0.0
+            if self.spark:  # the same empty step with and without the pass, alternated against noise
+                pairs = [(seconds(0, True, 1), seconds(0, False, 1)) for _ in range(2 * repeats)]
+                spark = max(min(t for t, _ in pairs) - min(t for _, t in pairs), 0.0)
         finally:
             self.active.copy_(active)
-        return price.CostModel([self.S + B for B in budgets], times)
+        return price.CostModel([self.S + B for B in budgets], times, spark=spark)
 
     def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor, broken: Tensor,
                     first_pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -409,6 +421,7 @@ class Engine:
 # ----------------------------------------------------------------------------- the user API
 
 
+TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per verified chain
 BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -432,7 +445,7 @@ class LLM:
     """A vLLM-style front end: `LLM().generate(prompts, SamplingParams(...))`."""
 
     def __init__(self, model: str | None = None, spec: str | None = None, max_batch_size: int = 8,
-                 max_seq_len: int = 4096, dtype: str | torch.dtype = "bfloat16", device: str | None = None,
+                 max_seq_len: int = 4096, dtype: str | torch.dtype = "auto", device: str | None = None,
                  seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool | None = None,
                  cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None):
         """model: a checkpoint folder or .gguf (None = the demo model). spec: "off", "ngram",
@@ -449,10 +462,8 @@ class LLM:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not isinstance(max_seq_len, int) or max_seq_len < 8:
             raise ValueError(f"max_seq_len must be an int >= 8, got {max_seq_len!r}")
-        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-            raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = resolve_dtype(dtype, torch.device(device))
         if compile is None:  # one graph per step on a GPU; on a CPU compiling costs more than it gives
             compile = torch.device(device).type == "cuda"
         net, path = load_model(model, dtype=torch_dtype, device=device)
@@ -499,6 +510,9 @@ class LLM:
                         **{f"{k}_chains": 0 for k in SOURCES[:2]}}
         self._slots: list[_Request | None] = [None] * engine.S
         self._cancel: set[int] = set()  # request ids to stop at the next step
+        # Per drafter, decayed sums of expected and accepted tokens over its verified chains,
+        # starting from a prior of agreement: see `_trust`.
+        self._seen = {k: [TRUST_PRIOR, TRUST_PRIOR] for k in SOURCES[:2]}
 
     # -- public -------------------------------------------------------------------------------
 
@@ -606,7 +620,8 @@ class LLM:
         eng, slots = self.engine, self._slots
         waiting = deque(reqs)
         pending = None
-        survival: list[list[float]] = [[] for _ in range(eng.S)]  # per slot, a step or two old
+        # Per slot, a step or two old: survival estimates of its n-gram and its Spark chain.
+        est: list[tuple[list[float], list[float]]] = [([], []) for _ in range(eng.S)]
         while waiting or pending or any(slots):
             if self._cancel:
                 yield from self._drop_cancelled(waiting)
@@ -620,19 +635,18 @@ class LLM:
             if admitted:
                 out = eng.prefill(admitted, [slots[s].out.prompt_token_ids for s in admitted],
                                   any(slots[s].params.temperature > 0 for s in admitted))
-                yield from self._absorb(out, [slots[s] for s in admitted], admitted, survival, count_step=False)
+                yield from self._absorb(out, [slots[s] for s in admitted], admitted, True, est, count_step=False)
             launched = None
             if any(slots):
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
-                plan = self._plan(R, survival)
+                budget, width, ctx, spark_pass = plan = self._plan(R, est)
                 sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
-                launched = (eng.step(R, *plan, sampling), list(slots[:R]), list(range(R)))
-                if self._trace:
-                    launched += (plan, [list(a) for a in survival[:R]])
+                launched = (eng.step(R, budget, width, ctx, sampling, spark_pass), list(slots[:R]), list(range(R)),
+                            spark_pass, plan)
             if pending:
                 if self._trace:
-                    self._write_trace(*pending)
-                yield from self._absorb(*pending[:3], survival)
+                    self._write_trace(*pending[:3], pending[4])
+                yield from self._absorb(*pending[:4], est)
             pending = launched
 
     def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
@@ -646,29 +660,56 @@ class LLM:
             yield Delta(req.out, "", "target")
         self._cancel.clear()
 
-    def _plan(self, R: int, survival: list[list[float]]) -> tuple[int, int, int]:
-        """Static sizes of the next step from what the host knows: the draft budget (DSpark's
-        adaptive verification over estimates a step or two old), the longest chain, and the
-        attended cache prefix."""
-        eng = self.engine
-        live = [r for r in self._slots[:R] if r]
-        budget = width = 0
-        if eng.K:
-            a = sorted((x for i, r in enumerate(self._slots[:R]) if r for x in survival[i]), reverse=True)
-            budget = price.best_budget(R, len(live), a, self._budgets, self.cost)
-            width = chain_width(eng.K, budget, len(live))
-        # Positions reach at most what the host knows + two steps of (width + 1) tokens.
-        ctx = min(eng.L, round_up(max(r.known_len for r in live) + 2 * (eng.K + 1) + 1, 256))
-        return budget, width, ctx
+    def _plan(self, R: int, est: list[tuple[list[float], list[float]]]) -> tuple[int, int, int, bool]:
+        """Static sizes of the next step from what the host knows: whether Spark drafts, the
+        draft budget, the longest chain and the attended cache prefix.
 
-    def _absorb(self, out: StepOut, owners: list, rows: list[int], survival: list[list[float]],
-                count_step: bool = True) -> Iterator[Delta]:
+        DSpark's adaptive verification over estimates a step or two old, for each kind of step:
+        with the Spark pass (each row offers the better of its two chains) or without it (its
+        n-gram chain, or nothing), at the cost the profile measured for that kind, each drafter's
+        estimates scaled by how far they have been borne out (`_trust`). Spark's pass is
+        skipped where the tokens it is expected to add do not pay for its time."""
+        eng = self.engine
+        rows = [i for i, r in enumerate(self._slots[:R]) if r]
+        budget = width = 0
+        spark_pass = False
+        if eng.K:
+            rate = -1.0
+            trust = self._trust("ngram"), self._trust("spark")
+            scaled = {i: [[min(1.0, x * t) for x in chain] for chain, t in zip(est[i], trust)] for i in rows}
+            for with_spark in (False, True) if eng.spark else (False,):
+                chains = (max(scaled[i], key=sum) if with_spark else scaled[i][0] for i in rows)
+                a = sorted((x for chain in chains for x in chain), reverse=True)
+                B, r = price.best_budget(R, len(rows), a, self._budgets, self.cost, with_spark)
+                if r > rate:
+                    budget, spark_pass, rate = B, with_spark, r
+            width = chain_width(eng.K, budget, len(rows))
+        # Positions reach at most what the host knows + two steps of (width + 1) tokens.
+        ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + 2 * (eng.K + 1) + 1, 256))
+        return budget, width, ctx, spark_pass
+
+    def _trust(self, drafter: str) -> float:
+        """Accepted over expected tokens of the drafter's recent chains. Its estimates were
+        calibrated on its training text, and a workload unlike that text makes them optimistic
+        (the shipped Spark drafter: first-slot acceptance 0.32 on MT-Bench, 0.49 estimated) or
+        pessimistic (n-gram copies in a code edit); the plan scales them by this ratio. It reads
+        finished steps only, so like the budget it is fixed before a step's drafts exist."""
+        expected, accepted = self._seen[drafter]
+        return accepted / expected
+
+    def _absorb(self, out: StepOut, owners: list, rows: list[int], spark_pass: bool,
+                est: list[tuple[list[float], list[float]]], count_step: bool = True) -> Iterator[Delta]:
         """Read one step's results on the host and hand them to their requests."""
         tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
-        source, finish, a = out.source.tolist(), out.finish.tolist(), out.survival.tolist()
-        length = out.length.tolist()
+        source, finish, length = out.source.tolist(), out.finish.tolist(), out.length.tolist()
+        ngram_a, spark_a, chosen = out.ngram_a.tolist(), out.spark_a.tolist(), out.survival.tolist()
         for i, (req, slot) in enumerate(zip(owners, rows)):
-            survival[slot] = a[i]
+            # A skipped Spark pass leaves the slot's last Spark estimates standing.
+            est[slot] = (ngram_a[i], spark_a[i] if spark_pass else est[slot][1])
+            if count_step and req is not None and length[i] > 0 and n[i] > 0:
+                seen = self._seen[SOURCES[source[i]]]
+                seen[0] = TRUST_DECAY * seen[0] + sum(chosen[i][: length[i]])
+                seen[1] = TRUST_DECAY * seen[1] + n_draft[i]
             if req is None or req.out.finished or (n[i] == 0 and FINISH.get(finish[i]) != "error"):
                 continue
             o = req.out
@@ -692,17 +733,18 @@ class LLM:
                 if stopped:
                     break
 
-    def _write_trace(self, out: StepOut, owners: list, rows: list[int], plan: tuple, estimates: list) -> None:
+    def _write_trace(self, out: StepOut, owners: list, rows: list[int], plan: tuple) -> None:
         """One JSON line per step: for teaching, what each slot proposed, was granted and kept."""
         self._step_no += 1
-        budget, width, ctx = plan
+        budget, width, ctx, spark_pass = plan
         n, n_draft, length, source = out.n.tolist(), out.n_draft.tolist(), out.length.tolist(), out.source.tolist()
+        estimates = out.survival.tolist()
         slots = [{"slot": s, "request": req.out.request_id, "chain": SOURCES[source[i]],
                   "estimate": [round(x, 3) for x in estimates[i][:max(width, 1)]],
                   "verified": length[i], "accepted": n_draft[i], "emitted": n[i]}
                  for i, (req, s) in enumerate(zip(owners, rows)) if req is not None and n[i] > 0]
         self._trace.write(json.dumps({"step": self._step_no, "budget": budget, "width": width, "ctx": ctx,
-                                      "slots": slots}) + "\n")
+                                      "spark_pass": spark_pass, "slots": slots}) + "\n")
         self._trace.flush()
 
     def _append(self, req: _Request, tok: int) -> bool:
@@ -743,6 +785,27 @@ class LLM:
             t[k] += v
         for k, v in o.chains.items():
             t[f"{k}_chains"] += v
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype from a name; "auto" is bfloat16 where the hardware computes in it (CUDA,
+    CPUs with AVX512-BF16 or AMX) and float32 elsewhere. A CPU without native bf16 converts
+    every matmul operand: on this project's 2-core CPU a demo-model forward of 8 tokens took
+    133 ms in bfloat16 against 87 ms in float32, and verification lives on such forwards."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+    return torch_dtype
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: stay exact rather than guess
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark: SparkDrafter | None = None) -> None:

@@ -35,15 +35,17 @@ def admit_top(a: Tensor, budget: int) -> Tensor:
 
 
 class CostModel:
-    """Step time against verified tokens T, profiled on the running device, forced monotone.
+    """Step time against verified tokens T, profiled on the running device, forced monotone,
+    and the time of the Spark pass, which a step may run or skip (`spark` seconds).
 
     `seconds(T)` interpolates linearly between measured sizes; beyond the last one it grows
     in proportion to T.
     """
 
-    def __init__(self, sizes: list[int], seconds: list[float]):
+    def __init__(self, sizes: list[int], seconds: list[float], spark: float = 0.0):
         if len(sizes) != len(seconds) or not sizes:
             raise ValueError("CostModel needs one time per size")
+        self.spark = spark
         order = sorted(range(len(sizes)), key=sizes.__getitem__)
         self.sizes = [sizes[i] for i in order]
         # A larger verify batch never costs less: take the running maximum of noisy timings.
@@ -59,21 +61,24 @@ class CostModel:
         return t[-1] * T / s[-1]
 
 
-def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list[int], cost: CostModel) -> int:
+def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list[int], cost: CostModel,
+                spark_pass: bool = False) -> tuple[int, float]:
     """DSpark's adaptive verification on the host: the budget B (from `budgets`) maximising
-    expected tokens per second, (active + sum of the top-B survivals) / cost(rows + B).
+    expected tokens per second, (active + sum of the top-B survivals) / cost(rows + B), with
+    the Spark pass's time added when the step runs it. Returns B and that rate.
 
     `a_sorted` are survivals from a step or two ago, largest first: the host never waits for
     this step's drafts, and B is fixed before they exist (which keeps sampling lossless)."""
+    extra = cost.spark if spark_pass else 0.0
     best, best_rate = 0, -1.0
     cum = [0.0]
     for a in a_sorted:
         cum.append(cum[-1] + a)
     for B in budgets:
-        rate = (n_active + cum[min(B, len(cum) - 1)]) / cost.seconds(n_rows + B)
+        rate = (n_active + cum[min(B, len(cum) - 1)]) / (cost.seconds(n_rows + B) + extra)
         if rate > best_rate + 1e-12:
             best, best_rate = B, rate
-    return best
+    return best, best_rate
 
 
 # ----------------------------------------------------------------------------- the price

