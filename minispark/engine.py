@@ -449,7 +449,8 @@ class LLM:
                  seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool | None = None,
                  cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None):
         """model: a checkpoint folder or .gguf (None = the demo model). spec: "off", "ngram",
-        "spark" or "hybrid" (None = hybrid where a drafter exists, else ngram). drafter: a folder
+        "spark" or "hybrid" (None = hybrid where a drafter exists, else ngram). dtype: "auto"
+        (bfloat16 where the hardware computes in it, else float32) or a dtype's name. drafter: a folder
         with a Spark drafter and n-gram table for this model (the shipped one for the demo
         model). ngram_k: the longest n-gram chain; draft_budget: the most draft tokens verified
         per step, batch-wide; compile: torch.compile the decode step (None = on CUDA only; eager

@@ -53,9 +53,9 @@ def test_text_and_stops(demo):
     assert cut.finish_reason == "stop" and cut.text == out.text[: out.text.index("Paris")]
 
 
-def test_bf16_default_runs_and_samples(demo):
+def test_bf16_runs_and_samples(demo):
     off, prompts = demo
-    llm = LLM(spec="ngram", max_batch_size=2, max_seq_len=1024)  # bf16, profiled cost table
+    llm = LLM(spec="ngram", max_batch_size=2, max_seq_len=1024, dtype="bfloat16")  # profiled cost table
     assert llm.engine.model.tok_embeddings.weight.dtype == torch.bfloat16
     outs = llm.generate(prompts[:2], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1))
     again = llm.generate(prompts[:2], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1))

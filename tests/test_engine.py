@@ -371,3 +371,17 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
     passes = [json.loads(line)["spark_pass"] for line in path.read_text().splitlines()]
     assert all(passes[:3]) and not any(passes[-20:])
     assert llm._trust("spark") < 0.2
+
+
+def test_auto_dtype_follows_the_hardware(monkeypatch):
+    from minispark import engine
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
+    assert engine.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: False)
+    assert engine.resolve_dtype("auto", cpu) == torch.float32
+    assert engine.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert engine.resolve_dtype("float16", cpu) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be 'auto'"):
+        engine.resolve_dtype("int8", cpu)
