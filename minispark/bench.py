@@ -4,12 +4,15 @@
 
 Every configuration decodes the same prompts with the same weights and dtype; the table gives
 output tokens/s, ratios to a baseline column measured in the same run, and mean tokens per step.
+Within a row the systems take turns on parts of the prompt set (`--rounds`), so that a change
+in the machine's speed during the run does not tilt the ratios.
 Peers: `hf` is transformers' `generate` (greedy), `hf-pld` its prompt-lookup decoding.
 """
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,11 @@ class Result:
     steps: int = 0
     chains: dict | None = None  # verified chains by drafter
 
+    def __add__(self, other: "Result") -> "Result":
+        chains = None if self.chains is None else {k: v + other.chains[k] for k, v in self.chains.items()}
+        return Result(self.system, self.workload, self.batch, self.tokens + other.tokens,
+                      self.seconds + other.seconds, self.steps + other.steps, chains)
+
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
@@ -50,12 +58,20 @@ def load_weights(path: str | None):
     return path, args, hf_sd
 
 
-def run_minispark(net, tok: Tokenizer, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
-                  temperature: float, max_seq_len: int, drafter: Path | None, compile: bool = False) -> Result:
+def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int, temperature: float,
+                  max_seq_len: int, drafter: Path | None, compile: bool = False) -> LLM:
+    """An LLM for one mode, profiled and warmed up. The LLMs of one table row share the model
+    and its KV cache (the same batch and length): each `generate` starts from empty slots and
+    its prefill writes the cache it reads, so they may take turns."""
     llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len, drafter=drafter,
                          compile=compile)
+    llm.generate([warm_up], SamplingParams(temperature=temperature, max_tokens=4))
+    return llm
+
+
+def run_minispark(llm: LLM, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
+                  temperature: float) -> Result:
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
-    llm.generate(prompts[:1], SamplingParams(temperature=temperature, max_tokens=4))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -107,6 +123,22 @@ def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_id
                 ends = [j for j, t in enumerate(row) if t in stop_ids]
                 tokens += ends[0] + 1 if ends else len(row)
     return Result("hf-pld" if prompt_lookup else "hf", "", batch, tokens, seconds)
+
+
+def run_row(systems: dict[str, Callable[[list[list[int]]], Result]], prompts: list[list[int]], batch: int,
+            rounds: int) -> list[Result]:
+    """Every system on the same prompts, in parts: each part runs through all systems in turn,
+    in reverse order on every other part, so that a machine whose speed drifts during the run
+    (a shared VM's moves by tens of percent within minutes) slows every system alike. A part
+    holds at least `batch` prompts; each system's result sums its parts."""
+    n_parts = max(1, min(rounds, len(prompts) // batch))
+    totals: dict[str, Result] = {}
+    for i in range(n_parts):
+        part = prompts[i::n_parts]
+        for name in list(systems)[:: 1 if i % 2 == 0 else -1]:
+            r = systems[name](part)
+            totals[name] = totals[name] + r if name in totals else r
+    return [totals[name] for name in systems]
 
 
 def render(results: list[Result], baseline: str) -> str:
@@ -199,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="auto", help="auto (bfloat16 where the hardware computes in it, "
                     "else float32), bfloat16, float32 or float16")
+    ap.add_argument("--rounds", type=int, default=4, help="parts of the prompt set, each run by every "
+                    "system in turn, so that drift in the machine's speed falls on all alike")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (the GPU path)")
     ap.add_argument("--baseline", default=None, help="column the ratios divide by (default: spark if run, else the first mode)")
     ap.add_argument("--out", default=None, help="write the Markdown table to this file")
@@ -233,18 +267,19 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [tok.encode_chat(c) for c in workload(w, a.n)]
         max_seq_len = max(map(len, prompts)) + a.max_tokens + 64
         for b in batches:
-            for m in modes:
-                r = run_minispark(net, tok, m, prompts, b, a.max_tokens, a.temperature, max_seq_len, drafter,
-                                  a.compile)
-                results.append(r)
-                r.workload = w
-                won = f"  chains {r.chains}" if m == "hybrid" else ""
-                console.print(f"{w:5s} batch {b:3d} {m:8s} {r.tok_s:7.1f} tok/s  {r.per_step:.2f} tok/step{won}")
-            for p in peers:
-                r = run_hf(peer_model, prompts, b, a.max_tokens, tok.stop_ids, p == "hf-pld")
+            llms = {m: minispark_llm(net, tok, m, prompts[0], b, a.temperature, max_seq_len, drafter, a.compile)
+                    for m in modes}
+            systems = {m: (lambda part, m=m: run_minispark(llms[m], m, part, b, a.max_tokens, a.temperature))
+                       for m in modes}
+            systems.update({p: (lambda part, p=p: run_hf(peer_model, part, b, a.max_tokens, tok.stop_ids,
+                                                          p == "hf-pld")) for p in peers})
+            for r in run_row(systems, prompts, b, a.rounds):
                 r.workload = w
                 results.append(r)
-                console.print(f"{w:5s} batch {b:3d} {p:8s} {r.tok_s:7.1f} tok/s")
+                won = f"  chains {r.chains}" if r.system == "hybrid" else ""
+                per_step = f"  {r.per_step:.2f} tok/step" if r.system in modes else ""
+                console.print(f"{w:5s} batch {b:3d} {r.system:8s} {r.tok_s:7.1f} tok/s{per_step}{won}")
+            del llms, systems
     md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]))
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     compiled = ", compiled step" if a.compile else ""

@@ -14,6 +14,8 @@ Stages (each resumable, each reading the previous one's files in `--out`; sizes 
              answers, and the acceptance and ECE they give: spark.safetensors + spark.json in --dest
   ngram      replays the n-gram drafter over the target's answers and fits the table
              P(token j accepted | tokens < j accepted, last outcome, match length m): ngram.json
+  eval       (not part of `all`) the drafter in --dest on MT-Bench's first turns, which no stage
+             trains on: acceptance per slot and the survival's ECE: mt_bench.json in --dest
 """
 from __future__ import annotations
 
@@ -287,6 +289,7 @@ class Corpus:
         self.top_ids = torch.cat([r["top_ids"] for r in rows]).long()
         self.top_p = torch.cat([r["top_p"] for r in rows]).float()
         self.kind = [r["kind"] for r in rows]
+        self.start = torch.tensor([r.get("start", 1) for r in rows])  # the first position an anchor may take
 
     def __len__(self) -> int:
         return len(self.lens)
@@ -336,11 +339,13 @@ def new_drafter(target, corpus: Corpus, r: Recipe):
     return d.to(target.tok_embeddings.weight.device)
 
 
-def block_batch(corpus: Corpus, docs: torch.Tensor, width: int, anchors: int, g: int, gen: torch.Generator) -> dict:
+def block_batch(corpus: Corpus, docs: torch.Tensor, width: int, anchors: int, g: int, gen: torch.Generator,
+                lo: torch.Tensor | None = None) -> dict:
     """Windows of documents and random anchors in them: everything a training step reads."""
     at, n = corpus.windows(docs, width, gen)  # [B, W], [B]
-    # Anchors p in [1, n - 2]: at least one context position and one token to predict.
-    p = 1 + (torch.rand(len(docs), anchors, generator=gen) * (n[:, None] - 2).clamp(min=1)).long()  # [B, A]
+    # Anchors p in [lo, n - 2] (lo >= 1): at least one context position and one token to predict.
+    lo = torch.ones_like(n) if lo is None else torch.minimum(lo, n - 2).clamp(min=1)
+    p = lo[:, None] + (torch.rand(len(docs), anchors, generator=gen) * (n - 1 - lo)[:, None].clamp(min=1)).long()  # [B, A]
     k = torch.arange(g)
     pk = p[:, :, None] + k  # [B, A, g] position of slot k's input (its prediction is pk + 1)
     valid = pk + 1 < n[:, None, None]
@@ -387,16 +392,19 @@ def losses(d, batch: dict, logits: torch.Tensor, conf: torch.Tensor) -> dict[str
 
 
 @torch.no_grad()
-def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int = 1) -> dict:
+def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int = 1, width: int = 512) -> dict:
     """Greedy chains on held-out documents: accepted tokens per step (1 + the matching prefix)
-    and per-slot conditional acceptance, plus raw confidence logits for calibration."""
+    and per-slot conditional acceptance, plus raw confidence logits for calibration. Anchors
+    start at each document's `start` where the window holds the whole document."""
     gen = torch.Generator().manual_seed(seed)
     docs = torch.tensor([i for i, k in enumerate(corpus.kind) if k == "answer"][:n_docs])
     g = d.args.block
     toks, confs, targets, valids = [], [], [], []
     dev = d.d2t.device
     for chunk in docs.split(16):
-        batch = {k: v.to(dev) for k, v in block_batch(corpus, chunk, 512, anchors, g, gen).items()}
+        whole = corpus.lens[chunk] <= width
+        lo = torch.where(whole, corpus.start[chunk], 1)
+        batch = {k: v.to(dev) for k, v in block_batch(corpus, chunk, width, anchors, g, gen, lo).items()}
         ids, p = batch["ids"], batch["anchor_pos"]
         B, W = ids.shape
         ctx = d.context(batch["feats"])
@@ -544,6 +552,44 @@ def stage_calibrate(out: Path, dest: Path, r: Recipe) -> dict:
     return report
 
 
+@torch.no_grad()
+def stage_eval(dest: Path, r: Recipe, prompts: int = 80, max_tokens: int = 256) -> dict:
+    """The drafter in `dest` on MT-Bench, whose prompts no stage trains on: the target answers
+    the first turns greedily, then teacher-forced blocks anchored inside the answers give the
+    accepted tokens per step, the per-slot acceptance and the ECE of the calibrated survival
+    prod c_i against how often slots 0..k were all accepted: mt_bench.json in `dest`."""
+    from .engine import LLM, SamplingParams
+    from .weights import load_drafter
+    from .workloads import chat_prompts
+
+    llm = LLM(r.model, spec="off", max_batch_size=16, max_seq_len=1024, device=r.device, dtype="float32")
+    convs = chat_prompts(prompts)
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=max_tokens))
+    model = llm.engine.model
+    rows = []
+    for conv, o in zip(convs, outs):
+        prompt = llm.tokenizer.encode_chat(conv)
+        rows.append(dict(doc_features(model, (prompt + o.token_ids)[:1024], r.layers),
+                         held_out=True, kind="answer", start=len(prompt)))
+    d = load_drafter(dest, model.args, torch.float32, r.device).attach(model)
+    res = evaluate(d, Corpus(rows), n_docs=len(rows), anchors=16, width=1024)
+    z, alive = res["conf_logit"], res["alive"]  # [N, g]
+
+    def survival(temps: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(z / temps).cumprod(-1)
+
+    raw, cal = survival(torch.ones(z.shape[1])), survival(d.conf_temp.float().cpu())
+    report = {"prompts": len(rows), "answer_tokens": sum(len(o.token_ids) for o in outs), "blocks": len(z),
+              "tokens_per_step": round(res["tokens_per_step"], 3),
+              "slot_acceptance": [round(x, 3) for x in res["slot_rate"]],
+              "survival_ece_uncalibrated": [round(ece(raw[:, k], alive[:, k]), 4) for k in range(z.shape[1])],
+              "survival_ece": [round(ece(cal[:, k], alive[:, k]), 4) for k in range(z.shape[1])],
+              "survival_ece_all_slots": round(ece(cal, alive), 4)}
+    (dest / "mt_bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return report
+
+
 # ----------------------------------------------------------------------------- stage: ngram
 
 
@@ -650,7 +696,7 @@ def stage_ngram(out: Path, dest: Path, r: Recipe) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minispark.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["data", "features", "fit", "calibrate", "ngram", "all"])
+    ap.add_argument("stage", choices=["data", "features", "fit", "calibrate", "ngram", "all", "eval"])
     ap.add_argument("--out", type=Path, default=Path("runs/spark"), help="work folder (default runs/spark)")
     ap.add_argument("--dest", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
                     help="drafter folder written by calibrate and ngram")
@@ -676,6 +722,8 @@ def run(stage: str, out: Path, dest: Path, r: Recipe, minutes: float, kinds: tup
         stage_calibrate(out, dest, r)
     if stage in ("ngram", "all"):
         stage_ngram(out, dest, r)
+    if stage == "eval":
+        stage_eval(dest, r)
 
 
 if __name__ == "__main__":

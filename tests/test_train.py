@@ -112,3 +112,26 @@ def test_ngram_replay_and_table():
     rate = log["accepted"][log["reached"]].float().mean()
     assert 0.5 < rate < 1  # copies mostly right, the made-up last document not always
     assert train.table_ece(table, log) < 0.2
+
+
+def test_anchors_start_where_a_document_says():
+    rows = [{"ids": torch.arange(n), "feats": torch.zeros(n, 2, 4), "top_ids": torch.zeros(n, 3, dtype=torch.long),
+             "top_p": torch.zeros(n, 3), "kind": "answer", "start": s} for n, s in ((40, 25), (30, 1), (12, 50))]
+    corpus = train.Corpus(rows)
+    docs = torch.tensor([0, 1, 2])
+    p = train.block_batch(corpus, docs, 64, 200, 4, torch.Generator().manual_seed(0), lo=corpus.start)["anchor_pos"]
+    assert (p[0] >= 25).all() and (p[0] <= 38).all() and p[0].min() == 25  # inside [start, n - 2]
+    assert p[1].min() == 1 and p[1].max() == 28
+    assert (p[2] == 10).all()  # a start past the end is clamped to the last anchor there is
+    default = train.block_batch(corpus, docs, 64, 200, 4, torch.Generator().manual_seed(0))["anchor_pos"]
+    assert default[0].min() == 1
+
+
+def test_the_mt_bench_evaluation_reports_acceptance_and_calibration(toy_drafter):
+    report = train.stage_eval(toy_drafter, train.Recipe(), prompts=3, max_tokens=24)
+    g = len(report["slot_acceptance"])
+    assert report["prompts"] == 3 and 0 < report["answer_tokens"] <= 72 and report["blocks"] > 0
+    assert 1 <= report["tokens_per_step"] <= 1 + g
+    assert all(0 <= x <= 1 for x in report["slot_acceptance"] + report["survival_ece"])
+    assert len(report["survival_ece_uncalibrated"]) == g
+    assert (toy_drafter / "mt_bench.json").exists()

@@ -1,0 +1,42 @@
+"""bench.py: systems take turns on parts of the prompt set, and the command writes its table."""
+from __future__ import annotations
+
+from minispark import bench
+
+
+def test_systems_take_turns_on_parts_and_each_sees_every_prompt_once():
+    calls = []
+
+    def system(name):
+        def run(part):
+            calls.append((name, tuple(part)))
+            return bench.Result(name, "", 2, tokens=len(part), seconds=1.0, steps=1, chains={"ngram": 1, "spark": 0})
+        return run
+
+    prompts = [[i] for i in range(9)]
+    results = bench.run_row({"a": system("a"), "b": system("b")}, prompts, batch=2, rounds=3)
+    assert [name for name, _ in calls] == ["a", "b", "b", "a", "a", "b"]  # reversed on every other part
+    for name in "ab":
+        seen = sorted(p for n, part in calls if n == name for p in part)
+        assert seen == [[i] for i in range(9)]
+    a, b = results
+    assert (a.system, a.tokens, a.seconds, a.steps, a.chains) == ("a", 9, 3.0, 3, {"ngram": 3, "spark": 0})
+    # Parts hold at least a batch of prompts: 9 prompts at batch 4 make two parts, at batch 16 one.
+    calls.clear()
+    bench.run_row({"a": system("a")}, prompts, batch=4, rounds=3)
+    assert len(calls) == 2
+    calls.clear()
+    bench.run_row({"a": system("a")}, prompts, batch=16, rounds=3)
+    assert len(calls) == 1 and len(calls[0][1]) == 9
+
+
+def test_the_command_writes_a_table_with_ratios(tmp_path):
+    out = tmp_path / "t.md"
+    bench.main(["--modes", "off,ngram", "--peers", "none", "--workloads", "code", "--batch", "1", "--n", "2",
+                "--max-tokens", "8", "--rounds", "2", "--dtype", "float32", "--out", str(out)])
+    lines = out.read_text().splitlines()
+    assert "float32" in lines[0] and "2 prompts x 8 tokens" in lines[0]
+    head, row = lines[2], lines[4]
+    assert "off tok/s" in head and "ngram / off" in head and "ngram tok/step" in head
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["code", "1"] and float(cells[2]) > 0 and cells[4].endswith("x")
