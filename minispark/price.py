@@ -38,8 +38,8 @@ class CostModel:
     """Step time against verified tokens T, profiled on the running device, forced monotone,
     and the time of the Spark pass, which a step may run or skip (`spark` seconds).
 
-    `seconds(T)` interpolates linearly between measured sizes; beyond the last one it grows
-    in proportion to T.
+    `seconds(T)` interpolates linearly between measured sizes and goes on along the line through
+    the first and last of them outside, never below proportional to T.
     """
 
     def __init__(self, sizes: list[int], seconds: list[float], spark: float = 0.0):
@@ -48,17 +48,33 @@ class CostModel:
         self.spark = spark
         order = sorted(range(len(sizes)), key=sizes.__getitem__)
         self.sizes = [sizes[i] for i in order]
-        # A larger verify batch never costs less: take the running maximum of noisy timings.
-        self.times = [max(seconds[j] for j in order[: k + 1]) for k in range(len(order))]
+        self.times = monotone([seconds[i] for i in order])
 
     def seconds(self, T: int) -> float:
         s, t = self.sizes, self.times
-        if T <= s[0]:
-            return t[0]
-        for (s0, t0), (s1, t1) in zip(zip(s, t), zip(s[1:], t[1:])):
-            if T <= s1:
-                return t0 + (t1 - t0) * (T - s0) / (s1 - s0)
-        return t[-1] * T / s[-1]
+        if s[0] <= T <= s[-1]:
+            for (s0, t0), (s1, t1) in zip(zip(s, t), zip(s[1:], t[1:])):
+                if T <= s1:
+                    return t0 + (t1 - t0) * (T - s0) / max(s1 - s0, 1)
+            return t[-1]
+        # Fewer rows than the profile's (T < s[0]) cost less; a flat t[0] there would make
+        # their first drafts look free.
+        slope = (t[-1] - t[0]) / (s[-1] - s[0]) if len(s) > 1 else 0.0
+        edge = 0 if T < s[0] else -1
+        return max(t[edge] + slope * (T - s[edge]), t[edge] * T / s[edge])
+
+
+def monotone(times: list[float]) -> list[float]:
+    """The nearest non-decreasing sequence in least squares (pool adjacent violators): a
+    larger verify batch never costs less. A running maximum would lift every later size to one
+    slow, noisy timing, and the flat it leaves would make the drafts along it look free."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for t in times:
+        blocks.append([t, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list[int], cost: CostModel,

@@ -226,3 +226,21 @@ def test_best_budget_pays_for_the_spark_pass():
     # Nothing worth verifying: no budget, and the pass only costs.
     assert best_budget(1, 1, [], [0, 1, 2], cost) == (0, 1.0)
     assert best_budget(1, 1, [], [0, 1, 2], cost, spark_pass=True)[1] < 1.0
+
+
+def test_the_cost_table_pools_noisy_timings_into_a_monotone_one():
+    from minispark.price import CostModel, monotone
+
+    # One slow timing at T=5 must not lift the larger sizes to it (a running maximum would
+    # make T=5..12 cost the same, and the tokens along that flat look free).
+    cost = CostModel([4, 5, 6, 8, 12], [80.0, 100.0, 84.0, 88.0, 96.0])
+    t = cost.times
+    assert all(x <= y for x, y in zip(t, t[1:]))
+    assert t[-1] == 96.0 and t[-2] < t[-1] and t[0] < t[1]
+    assert sum((a - b) ** 2 for a, b in zip(t, [80.0, 272 / 3, 272 / 3, 272 / 3, 96.0])) < 1e-9  # least squares
+    assert monotone([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    # Fewer rows than profiled cost less, along the line through the ends, never below T/s0.
+    assert cost.seconds(2) < cost.seconds(3) < cost.seconds(4) == 80.0
+    assert abs(cost.seconds(2) - (80.0 - 2 * 2.0)) < 1e-9
+    assert cost.seconds(24) > cost.seconds(12) and abs(cost.seconds(24) - 192.0) < 1e-9
+    assert abs(cost.seconds(7) - 272 / 3) < 1e-9  # interpolated, on the pooled stretch
