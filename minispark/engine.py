@@ -162,6 +162,7 @@ class Engine:
         self.tokens = zeros(S, L + self.K + 1)  # columns past L take writes that are discarded
         self.lens, self.next_tok, self.n_gen, self.max_new = zeros(S), zeros(S), zeros(S), zeros(S)
         self.active = zeros(S, dtype=torch.bool)
+        self.worth = torch.ones(S, device=dev)  # what one more token of each slot is worth: see LLM._worth
         self.temperature, self.top_p = zeros(S, dtype=torch.float), torch.ones(S, device=dev)
         self.top_k, self.seed = zeros(S), zeros(S)
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
@@ -187,6 +188,14 @@ class Engine:
         self.tokens[slot, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         if self.ngram:
             self.ng_last[slot] = 0
+
+    def set_worth(self, worth: dict[int, float], R: int) -> None:
+        """What a token of each of rows [0, R) is worth to the run (absent rows: 0), copied
+        without waiting for the device, which is still running the previous step."""
+        host = torch.tensor([worth.get(i, 0.0) for i in range(R)])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.worth[:R].copy_(host, non_blocking=True)
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
@@ -249,8 +258,10 @@ class Engine:
         the host from what it already knows, so each combination is one static graph; nothing
         here reads a tensor value on the host."""
         d = self.draft(R, ctx, sampling, spark_pass)
-        use_spark, a = price.choose_chains(d.ngram_a, d.spark_a, budget)  # [R], [R, W]
-        length = price.admit_top(a[:, :width], budget)  # [R], at most `width` each
+        w = self.worth[:R, None]
+        use_spark, _ = price.choose_chains(w * d.ngram_a, w * d.spark_a, budget)  # [R]
+        a = torch.where(use_spark[:, None], d.spark_a, d.ngram_a)  # [R, W]
+        length = price.admit_top(w * a[:, :width], budget)  # [R], at most `width` each
         chain = torch.where(use_spark[:, None], d.spark, d.ngram)[:, :width]  # [R, width]
         batch = self.pack(R, chain, length, ctx, budget)
         logits, hidden = self.model(batch, hidden_layers=self.feature_layers())  # [T, V], [T, F, dim]
@@ -423,6 +434,7 @@ class Engine:
 
 
 TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per verified chain
+WORTH_HORIZON = 8  # tokens of margin over which a row that will be done in time loses its worth
 BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -641,7 +653,7 @@ class LLM:
             launched = None
             if any(slots):
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
-                budget, width, ctx, spark_pass = plan = self._plan(R, est)
+                budget, width, ctx, spark_pass = plan = self._plan(R, est, queued=bool(waiting))
                 sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
                 launched = (eng.step(R, budget, width, ctx, sampling, spark_pass), list(slots[:R]), list(range(R)),
                             spark_pass, plan)
@@ -662,33 +674,61 @@ class LLM:
             yield Delta(req.out, "", "target")
         self._cancel.clear()
 
-    def _plan(self, R: int, est: list[tuple[list[float], list[float]]]) -> tuple[int, int, int, bool]:
+    def _plan(self, R: int, est: list[tuple[list[float], list[float]]], queued: bool = False
+              ) -> tuple[int, int, int, bool]:
         """Static sizes of the next step from what the host knows: whether Spark drafts, the
         draft budget, the longest chain and the attended cache prefix.
 
         DSpark's adaptive verification over estimates a step or two old, for each kind of step:
         with the Spark pass (each row offers the better of its two chains) or without it (its
         n-gram chain, or nothing), at the cost the profile measured for that kind, each drafter's
-        estimates scaled by how far they have been borne out (`_trust`). Spark's pass is
-        skipped where the tokens it is expected to add do not pay for its time."""
+        estimates scaled by how far they have been borne out (`_trust`) and each row's tokens
+        by what they are worth to the run (`_worth`). Spark's pass is skipped where the tokens
+        it is expected to add do not pay for its time."""
         eng = self.engine
         rows = [i for i, r in enumerate(self._slots[:R]) if r]
         budget = width = 0
         spark_pass = False
         if eng.K:
+            worth = self._worth(rows, queued)
+            eng.set_worth(dict(zip(rows, worth)), R)
             rate = -1.0
             trust = self._trust("ngram"), self._trust("spark")
-            scaled = {i: [[min(1.0, x * t) for x in chain] for chain, t in zip(est[i], trust)] for i in rows}
+            scaled = {i: [[min(1.0, x * t) * w for x in chain] for chain, t in zip(est[i], trust)]
+                      for i, w in zip(rows, worth)}
+            longest = 0
             for with_spark in (False, True) if eng.spark else (False,):
-                chains = (max(scaled[i], key=sum) if with_spark else scaled[i][0] for i in rows)
+                chains = [max(scaled[i], key=sum) if with_spark else scaled[i][0] for i in rows]
                 a = sorted((x for chain in chains for x in chain), reverse=True)
-                B, r = price.best_budget(R, len(rows), a, self._budgets, self.cost, with_spark)
+                B, r = price.best_budget(R, sum(worth), a, self._budgets, self.cost, with_spark)
                 if r > rate:
-                    budget, spark_pass, rate = B, with_spark, r
-            width = chain_width(eng.K, budget, len(rows))
+                    budget, spark_pass, rate, longest = B, with_spark, r, price.longest_admitted(chains, B)
+            # Attention runs over a grid of R x (width + 1) queries, however few are real: a
+            # budget spread one token per row needs width 1, not the 4 a fair share would give.
+            width = min(chain_width(eng.K, budget, len(rows)), bucket(longest, WIDTHS))
         # Positions reach at most what the host knows + two steps of (width + 1) tokens.
         ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + 2 * (eng.K + 1) + 1, 256))
         return budget, width, ctx, spark_pass
+
+    def _worth(self, rows: list[int], queued: bool) -> list[float]:
+        """What one more token of each row is worth to the run's time, in [0, 1]. While requests
+        wait, a token is a token: a slot that finishes early takes the next request. When none
+        wait, the run ends with its slowest row, and a token of a row that will be done before
+        then anyway only idles the row sooner, while its drafts cost every row's step. A row is
+        sure to be done in time when its tokens left, even at one per step, fit in the steps
+        the run is expected to take (every row at its pace so far); its worth falls from 1 to 0
+        as that margin grows from 0 to WORTH_HORIZON tokens. A row that may still end last keeps its
+        worth: copies come in bursts, and one not taken now may not come again. (A row that
+        stops at a stop token before max_tokens is only ever overrated.)"""
+        if queued:
+            return [1.0] * len(rows)
+        left, steps = [], 0.0
+        for i in rows:
+            o = self._slots[i].out
+            left.append(self._slots[i].params.max_tokens - len(o.token_ids))
+            pace = len(o.token_ids) / o.num_steps if o.num_steps else 1.0
+            steps = max(steps, left[-1] / max(pace, 1.0))
+        return [min(1.0, max(0.0, 1.0 - (steps - r) / WORTH_HORIZON)) for r in left]
 
     def _trust(self, drafter: str) -> float:
         """Accepted over expected tokens of the drafter's recent chains. Its estimates were

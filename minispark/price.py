@@ -97,6 +97,15 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
     return best, best_rate
 
 
+def longest_admitted(chains: list[list[float]], budget: int) -> int:
+    """The longest chain the top-`budget` admission over `chains` (survivals, non-increasing
+    along each) takes: the host sizes the step's widest chain with it."""
+    top = sorted((x for chain in chains for x in chain if x > 0), reverse=True)[:budget]
+    if not top:
+        return 0
+    return max(sum(x >= top[-1] for x in chain) for chain in chains)
+
+
 # ----------------------------------------------------------------------------- the price
 
 

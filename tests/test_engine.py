@@ -385,3 +385,32 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     assert engine.resolve_dtype("float16", cpu) == torch.float16
     with pytest.raises(ValueError, match="dtype must be 'auto'"):
         engine.resolve_dtype("int8", cpu)
+
+
+def test_with_no_request_waiting_drafts_go_to_the_rows_the_run_waits_for(tmp_path):
+    """Two copies at batch 2, one asking for 4 tokens and one for 64: with nothing queued the
+    run ends with the long one, so the short one's chains are never verified, even with drafts
+    for free. A third request waiting changes that: every token counts while a slot can be
+    refilled. Output stays the greedy one."""
+    import json
+
+    from conftest import FLAT_COST, ByteTokenizer, tiny_pair
+
+    _, net = tiny_pair(0, initializer_range=0.02, vocab_size=64)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11, 12] * 4, [13, 14, 15] * 4]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (8, 64, 64)]
+
+    def verified(n_requests: int) -> list[dict[int, int]]:
+        path = tmp_path / f"{n_requests}.jsonl"
+        llm = LLM.from_model(net, ByteTokenizer(), spec="ngram", max_batch_size=2, max_seq_len=128,
+                             cost=FLAT_COST, trace=str(path))
+        outs = llm.generate(prompts[:n_requests], params[:n_requests])
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == reference_greedy(llm, p, len(o.token_ids))
+        steps = [json.loads(line) for line in path.read_text().splitlines()]
+        return [{s["request"] - outs[0].request_id: s["verified"] for s in step["slots"]} for step in steps]
+
+    alone = verified(2)
+    assert all(step.get(0, 0) == 0 for step in alone) and sum(step.get(1, 0) for step in alone) > 0
+    queued = verified(3)
+    assert sum(step.get(0, 0) for step in queued) > 0

@@ -228,6 +228,19 @@ def test_best_budget_pays_for_the_spark_pass():
     assert best_budget(1, 1, [], [0, 1, 2], cost, spark_pass=True)[1] < 1.0
 
 
+def test_the_widest_chain_the_host_plans_for_matches_the_device_admission():
+    from minispark.price import longest_admitted
+
+    torch.manual_seed(0)
+    for _ in range(50):
+        a = survival(torch.rand(5, 8), torch.randint(0, 9, (5,)))
+        chains = a.tolist()
+        for budget in (0, 1, 3, 7, 40):
+            assert longest_admitted(chains, budget) == int(admit_top(a, budget).max())
+    # One likely token in each of four rows is a width of 1, whatever the budget's fair share.
+    assert longest_admitted([[0.6, 0.1], [0.5, 0.1], [0.7, 0.2], [0.4, 0.05]], 4) == 1
+
+
 def test_the_cost_table_pools_noisy_timings_into_a_monotone_one():
     from minispark.price import CostModel, monotone
 
