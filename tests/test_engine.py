@@ -388,7 +388,7 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
 
 
 def test_with_no_request_waiting_drafts_go_to_the_rows_the_run_waits_for(tmp_path):
-    """Two copies at batch 2, one asking for 4 tokens and one for 64: with nothing queued the
+    """Two copies at batch 2, one asking for 8 tokens and one for 64: with nothing queued the
     run ends with the long one, so the short one's chains are never verified, even with drafts
     for free. A third request waiting changes that: every token counts while a slot can be
     refilled. Output stays the greedy one."""
