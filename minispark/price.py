@@ -98,12 +98,13 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
 
 
 def longest_admitted(chains: list[list[float]], budget: int) -> int:
-    """The longest chain the top-`budget` admission over `chains` (survivals, non-increasing
-    along each) takes: the host sizes the step's widest chain with it."""
-    top = sorted((x for chain in chains for x in chain if x > 0), reverse=True)[:budget]
-    if not top:
+    """The longest chain `admit_top` takes over the host's survivals `chains` (ragged lists,
+    padded with zeros): the host sizes the step's widest chain by the device's own rule."""
+    K = max(map(len, chains), default=0)
+    if K == 0:
         return 0
-    return max(sum(x >= top[-1] for x in chain) for chain in chains)
+    a = torch.tensor([chain + [0.0] * (K - len(chain)) for chain in chains])
+    return int(admit_top(a, budget).max())
 
 
 # ----------------------------------------------------------------------------- the price

@@ -239,6 +239,9 @@ def test_the_widest_chain_the_host_plans_for_matches_the_device_admission():
             assert longest_admitted(chains, budget) == int(admit_top(a, budget).max())
     # One likely token in each of four rows is a width of 1, whatever the budget's fair share.
     assert longest_admitted([[0.6, 0.1], [0.5, 0.1], [0.7, 0.2], [0.4, 0.05]], 4) == 1
+    # The host's chains are ragged (a row without a chain has none); ties go to earlier positions.
+    assert longest_admitted([[0.5, 0.5, 0.5], [], [0.5]], 3) == 2
+    assert longest_admitted([[], []], 4) == 0 and longest_admitted([], 4) == 0
 
 
 def test_the_cost_table_pools_noisy_timings_into_a_monotone_one():
