@@ -430,6 +430,31 @@ class Engine:
         return n, finish
 
 
+class StepClock:
+    """A step's time on its device: CUDA events around the launch on a GPU (read after the
+    step's results have reached the host, so reading needs no sync of its own), the call's
+    wall time on a CPU, where the call runs the step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __enter__(self) -> "StepClock":
+        if self.cuda:
+            self.start.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.start.elapsed_time(self.end) / 1000 if self.cuda else self.t1 - self.t0
+
+
 # ----------------------------------------------------------------------------- the user API
 
 
@@ -519,6 +544,8 @@ class LLM:
         self._step_no = 0
         self._budgets = [b for b in BUDGETS if b <= engine.draft_budget]
         self.cost = cost or (engine.profile(self._budgets) if engine.K else None)
+        # A profiled table goes on learning from the steps as they run; a given one is kept as is.
+        self._learn_cost = cost is None and self.cost is not None
         self._ids = itertools.count()
         self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0),
                         **{f"{k}_chains": 0 for k in SOURCES[:2]}}
@@ -655,12 +682,15 @@ class LLM:
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
                 budget, width, ctx, spark_pass = plan = self._plan(R, est, queued=bool(waiting))
                 sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
-                launched = (eng.step(R, budget, width, ctx, sampling, spark_pass), list(slots[:R]), list(range(R)),
-                            spark_pass, plan)
+                with StepClock(eng.device) as clock:
+                    out = eng.step(R, budget, width, ctx, sampling, spark_pass)
+                launched = (out, list(slots[:R]), list(range(R)), spark_pass, plan, clock)
             if pending:
                 if self._trace:
                     self._write_trace(*pending[:3], pending[4])
                 yield from self._absorb(*pending[:4], est)
+                if self._learn_cost:  # the step's results are on the host, so its clock can be read
+                    self.cost.observe(len(pending[2]) + pending[4][0], pending[3], pending[5].seconds())
             pending = launched
 
     def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
@@ -706,6 +736,7 @@ class LLM:
             # Attention runs over a grid of R x (width + 1) queries, however few are real: a
             # budget spread one token per row needs width 1, not the 4 a fair share would give.
             width = min(chain_width(eng.K, budget, len(rows)), bucket(longest, WIDTHS))
+            budget = budget if width else 0  # nothing admitted: the step verifies no drafts
         # Positions reach at most what the host knows + two steps of (width + 1) tokens.
         ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + 2 * (eng.K + 1) + 1, 256))
         return budget, width, ctx, spark_pass

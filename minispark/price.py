@@ -5,6 +5,8 @@ accepted; verifying slot j is worth `a_j` expected tokens. The budget goes to th
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -36,11 +38,14 @@ def admit_top(a: Tensor, budget: int) -> Tensor:
 
 class CostModel:
     """Step time against verified tokens T, profiled on the running device, forced monotone,
-    and the time of the Spark pass, which a step may run or skip (`spark` seconds).
+    and the time of the Spark pass, which a step may run or skip (`spark` seconds); then
+    corrected by the steps the engine times as it runs (`observe`).
 
-    `seconds(T)` interpolates linearly between measured sizes and goes on along the line through
+    The profile interpolates linearly between measured sizes and goes on along the line through
     the first and last of them outside, never below proportional to T.
     """
+
+    LEARN = 0.3  # weight of each new timing in the running correction of its size
 
     def __init__(self, sizes: list[int], seconds: list[float], spark: float = 0.0):
         if len(sizes) != len(seconds) or not sizes:
@@ -49,19 +54,43 @@ class CostModel:
         order = sorted(range(len(sizes)), key=sizes.__getitem__)
         self.sizes = [sizes[i] for i in order]
         self.times = monotone([seconds[i] for i in order])
+        self.drift: dict[tuple[int, bool], float] = {}  # (T, spark pass) -> log(measured / profiled)
 
-    def seconds(self, T: int) -> float:
+    def seconds(self, T: int, spark_pass: bool = False) -> float:
+        """Expected time of a step verifying T tokens, with or without the Spark pass."""
+        return self.profiled(T, spark_pass) * math.exp(self.correction(T, spark_pass))
+
+    def profiled(self, T: int, spark_pass: bool = False) -> float:
         s, t = self.sizes, self.times
+        extra = self.spark if spark_pass else 0.0
         if s[0] <= T <= s[-1]:
             for (s0, t0), (s1, t1) in zip(zip(s, t), zip(s[1:], t[1:])):
                 if T <= s1:
-                    return t0 + (t1 - t0) * (T - s0) / max(s1 - s0, 1)
-            return t[-1]
+                    return t0 + (t1 - t0) * (T - s0) / max(s1 - s0, 1) + extra
+            return t[-1] + extra
         # Fewer rows than the profile's (T < s[0]) cost less; a flat t[0] there would make
         # their first drafts look free.
         slope = (t[-1] - t[0]) / (s[-1] - s[0]) if len(s) > 1 else 0.0
         edge = 0 if T < s[0] else -1
-        return max(t[edge] + slope * (T - s[edge]), t[edge] * T / s[edge])
+        return max(t[edge] + slope * (T - s[edge]), t[edge] * T / s[edge]) + extra
+
+    def correction(self, T: int, spark_pass: bool) -> float:
+        """log(measured / profiled) at this size, or at the nearest size timed (the same kind of
+        step first, the larger size on a tie): the profile runs idle rows over a fixed cache
+        prefix, and real steps differ from it by much the same factor at neighbouring sizes."""
+        if not self.drift:
+            return 0.0
+        key = min(self.drift, key=lambda k: (k[1] != spark_pass, abs(k[0] - T), -k[0]))
+        return self.drift[key]
+
+    def observe(self, T: int, spark_pass: bool, seconds: float) -> None:
+        """Fold in the measured time of a step verifying T tokens. A size's first timing starts
+        from its neighbours' correction, so one outlier moves the table by LEARN of its error."""
+        if not seconds > 0:
+            return
+        x = math.log(seconds / self.profiled(T, spark_pass))
+        prior = self.correction(T, spark_pass)
+        self.drift[T, spark_pass] = prior + self.LEARN * (x - prior)
 
 
 def monotone(times: list[float]) -> list[float]:
@@ -85,13 +114,12 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
 
     `a_sorted` are survivals from a step or two ago, largest first: the host never waits for
     this step's drafts, and B is fixed before they exist (which keeps sampling lossless)."""
-    extra = cost.spark if spark_pass else 0.0
     best, best_rate = 0, -1.0
     cum = [0.0]
     for a in a_sorted:
         cum.append(cum[-1] + a)
     for B in budgets:
-        rate = (n_active + cum[min(B, len(cum) - 1)]) / (cost.seconds(n_rows + B) + extra)
+        rate = (n_active + cum[min(B, len(cum) - 1)]) / cost.seconds(n_rows + B, spark_pass)
         if rate > best_rate + 1e-12:
             best, best_rate = B, rate
     return best, best_rate

@@ -414,3 +414,18 @@ def test_with_no_request_waiting_drafts_go_to_the_rows_the_run_waits_for(tmp_pat
     assert all(step.get(0, 0) == 0 for step in alone) and sum(step.get(1, 0) for step in alone) > 0
     queued = verified(3)
     assert sum(step.get(0, 0) for step in queued) > 0
+
+
+def test_a_profiled_cost_table_learns_from_the_steps_it_runs_and_a_given_one_is_kept():
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 6, 64)
+    llm = tiny_llm("hybrid", cost=None)  # profiled at start-up
+    assert llm.cost.drift == {}
+    outs = llm.generate(prompts, GREEDY)
+    steps = llm.stats()["steps"]
+    # One entry per kind of step that ran: R rows (a bucket of at most 4) plus its budget.
+    assert llm.cost.drift and all(1 <= T <= 4 + llm.engine.draft_budget for T, _ in llm.cost.drift)
+    assert len(llm.cost.drift) <= steps
+    given = tiny_llm("hybrid")
+    assert [o.token_ids for o in given.generate(prompts, GREEDY)] == [o.token_ids for o in outs]
+    assert given.cost.drift == {}  # a table passed in is the caller's, and stays as given

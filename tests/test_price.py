@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -260,3 +261,30 @@ def test_the_cost_table_pools_noisy_timings_into_a_monotone_one():
     assert abs(cost.seconds(2) - (80.0 - 2 * 2.0)) < 1e-9
     assert cost.seconds(24) > cost.seconds(12) and abs(cost.seconds(24) - 192.0) < 1e-9
     assert abs(cost.seconds(7) - 272 / 3) < 1e-9  # interpolated, on the pooled stretch
+
+
+def test_the_cost_table_learns_from_the_steps_it_times():
+    from minispark.price import CostModel, best_budget
+
+    cost = CostModel([16, 17, 32], [1.0, 1.02, 1.5], spark=0.5)
+    assert cost.seconds(17) == cost.profiled(17)  # nothing timed yet
+    # Real steps of 17 tokens take 1.5x the profile: repeated timings converge on it,
+    # one timing moves the table by a fraction of its error, and neighbouring sizes follow.
+    cost.observe(17, False, 1.53)
+    assert abs(cost.seconds(17) - 1.02 * 1.5 ** CostModel.LEARN) < 1e-9
+    for _ in range(30):
+        cost.observe(17, False, 1.53)
+    assert abs(cost.seconds(17) - 1.53) < 1e-3
+    assert abs(cost.seconds(20) / cost.profiled(20) - 1.5) < 1e-3
+    # A size timed apart keeps its own correction; steps with the Spark pass are their own kind.
+    for _ in range(30):
+        cost.observe(16, False, 1.0)
+    assert abs(cost.seconds(16) - 1.0) < 1e-3 and abs(cost.seconds(17) - 1.53) < 1e-3
+    assert cost.seconds(16, spark_pass=True) == pytest.approx(1.5, abs=1e-3)  # no Spark step timed: the nearest kind
+    cost.observe(16, True, 3.0)
+    assert cost.seconds(16, spark_pass=True) > 1.5 and cost.seconds(16) == pytest.approx(1.0, abs=1e-3)
+    # The plan reads the learned table: a first draft token the profile called cheap (+2%)
+    # but that costs +53% is no longer worth a 0.5 chance at 16 rows.
+    fresh = CostModel([16, 17, 32], [1.0, 1.02, 1.5])
+    assert best_budget(16, 16, [0.5], [0, 1], fresh)[0] == 1
+    assert best_budget(16, 16, [0.5], [0, 1], cost)[0] == 0
