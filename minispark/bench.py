@@ -130,11 +130,14 @@ def run_row(systems: dict[str, Callable[[list[list[int]]], Result]], prompts: li
     """Every system on the same prompts, in parts: each part runs through all systems in turn,
     in reverse order on every other part, so that a machine whose speed drifts during the run
     (a shared VM's moves by tens of percent within minutes) slows every system alike. A part
-    holds at least `batch` prompts; each system's result sums its parts."""
+    holds at least `batch` prompts; each system's result sums its parts. Prompts for one part
+    only (with rounds > 1) run twice, in both orders, so that the systems still take turns."""
     n_parts = max(1, min(rounds, len(prompts) // batch))
+    parts = [prompts[i::n_parts] for i in range(n_parts)]
+    if n_parts == 1 and rounds > 1:
+        parts *= 2
     totals: dict[str, Result] = {}
-    for i in range(n_parts):
-        part = prompts[i::n_parts]
+    for i, part in enumerate(parts):
         for name in list(systems)[:: 1 if i % 2 == 0 else -1]:
             r = systems[name](part)
             totals[name] = totals[name] + r if name in totals else r

@@ -26,8 +26,13 @@ def test_systems_take_turns_on_parts_and_each_sees_every_prompt_once():
     bench.run_row({"a": system("a")}, prompts, batch=4, rounds=3)
     assert len(calls) == 2
     calls.clear()
-    bench.run_row({"a": system("a")}, prompts, batch=16, rounds=3)
+    bench.run_row({"a": system("a")}, prompts, batch=16, rounds=1)
     assert len(calls) == 1 and len(calls[0][1]) == 9
+    # Prompts for one part run twice, once in each order, so the systems still take turns.
+    calls.clear()
+    a, b = bench.run_row({"a": system("a"), "b": system("b")}, prompts, batch=16, rounds=3)
+    assert [name for name, _ in calls] == ["a", "b", "b", "a"] and all(len(part) == 9 for _, part in calls)
+    assert (a.tokens, a.seconds) == (18, 2.0)
 
 
 def test_the_command_writes_a_table_with_ratios(tmp_path):
