@@ -53,3 +53,19 @@ def test_greedy_output_on_cuda_matches_cpu(spec, compile):
         return [(o.token_ids, o.finish_reason) for o in outs]
 
     assert run(cuda, compile) == run(cpu, False)
+
+
+def test_the_step_clock_reads_the_device_time_of_a_cuda_step():
+    from minispark.engine import StepClock
+
+    x = torch.randn(4096, 4096, device="cuda")
+    x @ x  # warm-up
+    with StepClock(x.device) as clock:
+        y = x @ x
+    y.sum().item()  # results on the host: the clock's events have completed
+    assert 0 < clock.seconds() < 5.0
+    # A profiled table learns from the steps it runs on the GPU too.
+    _, net = cuda_pair(2)
+    llm = LLM.from_model(net, ByteTokenizer(eos=2), spec="ngram", max_batch_size=4, max_seq_len=256)
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    assert llm.cost.drift and all(abs(v) < 5 for v in llm.cost.drift.values())
