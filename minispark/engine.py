@@ -145,6 +145,11 @@ class Engine:
         self.model, self.spec = model.requires_grad_(False), spec
         S, L = self.S, self.L = max_batch_size, max_seq_len
         dev = self.device = model.tok_embeddings.weight.device
+        if dev.type == "cpu":
+            # Setting the thread count, even to the one already in force, fixes it for MKL and
+            # OpenMP; left unset, steps that verify drafts ran about 15% slower on a 2-core VM
+            # (chat, batch 4: ngram / off 0.82x before, 0.95x after).
+            torch.set_num_threads(torch.get_num_threads())
         self.ngram = (ngram or NgramDrafter(k=ngram_k)) if spec in ("ngram", "hybrid") else None
         self.spark = spark.to(dev).requires_grad_(False).attach(model) if spec in ("spark", "hybrid") else None
         if spec in ("spark", "hybrid") and spark is None:
