@@ -61,18 +61,21 @@ class CostModel:
         return self.profiled(T, spark_pass) * math.exp(self.correction(T, spark_pass))
 
     def profiled(self, T: int, spark_pass: bool = False) -> float:
+        return self.curve(T) + (self.spark if spark_pass else 0.0)
+
+    def curve(self, T: int) -> float:
+        """The profiled step time without the Spark pass."""
         s, t = self.sizes, self.times
-        extra = self.spark if spark_pass else 0.0
         if s[0] <= T <= s[-1]:
             for (s0, t0), (s1, t1) in zip(zip(s, t), zip(s[1:], t[1:])):
                 if T <= s1:
-                    return t0 + (t1 - t0) * (T - s0) / max(s1 - s0, 1) + extra
-            return t[-1] + extra
+                    return t0 + (t1 - t0) * (T - s0) / max(s1 - s0, 1)
+            return t[-1]
         # Fewer rows than the profile's (T < s[0]) cost less; a flat t[0] there would make
         # their first drafts look free.
         slope = (t[-1] - t[0]) / (s[-1] - s[0]) if len(s) > 1 else 0.0
         edge = 0 if T < s[0] else -1
-        return max(t[edge] + slope * (T - s[edge]), t[edge] * T / s[edge]) + extra
+        return max(t[edge] + slope * (T - s[edge]), t[edge] * T / s[edge])
 
     def correction(self, T: int, spark_pass: bool) -> float:
         """log(measured / profiled) at this size, or at the nearest size timed (the same kind of
