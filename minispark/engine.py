@@ -460,6 +460,23 @@ class StepClock:
         return self.start.elapsed_time(self.end) / 1000 if self.cuda else self.t1 - self.t0
 
 
+class Plan(NamedTuple):
+    """The static sizes of one step, chosen by the host (see LLM._plan)."""
+    budget: int  # draft tokens verified, batch-wide
+    width: int  # the longest chain
+    ctx: int  # attended cache prefix
+    spark_pass: bool  # whether Spark drafts
+
+
+class Launched(NamedTuple):
+    """A step in flight: its results, whose rows they are, how it was planned and timed."""
+    out: StepOut
+    owners: list  # the request in each row when the step launched (None: idle)
+    rows: list[int]
+    plan: Plan
+    clock: StepClock
+
+
 # ----------------------------------------------------------------------------- the user API
 
 
@@ -665,7 +682,7 @@ class LLM:
     def _schedule(self, reqs: list[_Request]) -> Iterator[Delta]:
         eng, slots = self.engine, self._slots
         waiting = deque(reqs)
-        pending = None
+        pending: Launched | None = None
         # Per slot, a step or two old: survival estimates of its n-gram and its Spark chain.
         est: list[tuple[list[float], list[float]]] = [([], []) for _ in range(eng.S)]
         while waiting or pending or any(slots):
@@ -685,17 +702,18 @@ class LLM:
             launched = None
             if any(slots):
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
-                budget, width, ctx, spark_pass = plan = self._plan(R, est, queued=bool(waiting))
+                plan = self._plan(R, est, queued=bool(waiting))
                 sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
                 with StepClock(eng.device) as clock:
-                    out = eng.step(R, budget, width, ctx, sampling, spark_pass)
-                launched = (out, list(slots[:R]), list(range(R)), spark_pass, plan, clock)
+                    out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass)
+                launched = Launched(out, list(slots[:R]), list(range(R)), plan, clock)
             if pending:
                 if self._trace:
-                    self._write_trace(*pending[:3], pending[4])
-                yield from self._absorb(*pending[:4], est)
+                    self._write_trace(pending)
+                yield from self._absorb(pending.out, pending.owners, pending.rows, pending.plan.spark_pass, est)
                 if self._learn_cost:  # the step's results are on the host, so its clock can be read
-                    self.cost.observe(len(pending[2]) + pending[4][0], pending[3], pending[5].seconds())
+                    self.cost.observe(len(pending.rows) + pending.plan.budget, pending.plan.spark_pass,
+                                      pending.clock.seconds())
             pending = launched
 
     def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
@@ -709,8 +727,7 @@ class LLM:
             yield Delta(req.out, "", "target")
         self._cancel.clear()
 
-    def _plan(self, R: int, est: list[tuple[list[float], list[float]]], queued: bool = False
-              ) -> tuple[int, int, int, bool]:
+    def _plan(self, R: int, est: list[tuple[list[float], list[float]]], queued: bool = False) -> Plan:
         """Static sizes of the next step from what the host knows: whether Spark drafts, the
         draft budget, the longest chain and the attended cache prefix.
 
@@ -744,7 +761,7 @@ class LLM:
             budget = budget if width else 0  # nothing admitted: the step verifies no drafts
         # Positions reach at most what the host knows + two steps of (width + 1) tokens.
         ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + 2 * (eng.K + 1) + 1, 256))
-        return budget, width, ctx, spark_pass
+        return Plan(budget, width, ctx, spark_pass)
 
     def _worth(self, rows: list[int], queued: bool) -> list[float]:
         """What one more token of each row is worth to the run's time, in [0, 1]. While requests
@@ -811,10 +828,10 @@ class LLM:
                 if stopped:
                     break
 
-    def _write_trace(self, out: StepOut, owners: list, rows: list[int], plan: tuple) -> None:
+    def _write_trace(self, step: Launched) -> None:
         """One JSON line per step: for teaching, what each slot proposed, was granted and kept."""
         self._step_no += 1
-        budget, width, ctx, spark_pass = plan
+        out, owners, rows, (budget, width, ctx, spark_pass) = step.out, step.owners, step.rows, step.plan
         n, n_draft, length, source = out.n.tolist(), out.n_draft.tolist(), out.length.tolist(), out.source.tolist()
         estimates = out.survival.tolist()
         slots = [{"slot": s, "request": req.out.request_id, "chain": SOURCES[source[i]],
