@@ -471,10 +471,13 @@ class Plan(NamedTuple):
 class Launched(NamedTuple):
     """A step in flight: its results, whose rows they are, how it was planned and timed."""
     out: StepOut
-    owners: list  # the request in each row when the step launched (None: idle)
-    rows: list[int]
+    owners: list  # the request in each of rows [0, R) when the step launched (None: idle)
     plan: Plan
     clock: StepClock
+
+    @property
+    def rows(self) -> list[int]:
+        return list(range(len(self.owners)))
 
 
 # ----------------------------------------------------------------------------- the user API
@@ -706,7 +709,7 @@ class LLM:
                 sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
                 with StepClock(eng.device) as clock:
                     out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass)
-                launched = Launched(out, list(slots[:R]), list(range(R)), plan, clock)
+                launched = Launched(out, list(slots[:R]), plan, clock)
             if pending:
                 if self._trace:
                     self._write_trace(pending)
