@@ -57,9 +57,14 @@ class Recipe:
     max_steps: int | None = None
     layers: tuple[int, ...] = LAYERS
 
-    def target(self, dtype: torch.dtype = torch.bfloat16):
+    def target(self, dtype: torch.dtype | None = None):
+        """The target, frozen; dtype None = bfloat16 where the hardware computes in it, else
+        float32 (a CPU without native bf16 converts every operand: the toy recipe's feature
+        pass took 8 minutes in bf16 on a 2-core VM)."""
+        from .engine import resolve_dtype
         from .weights import default_model, load_model
 
+        dtype = dtype or resolve_dtype("auto", torch.device(self.device))
         model, path = load_model(self.model or default_model(), dtype=dtype, device=self.device)
         return model.requires_grad_(False), path
 
