@@ -139,8 +139,8 @@ def cpu_weight_layout(module: nn.Module) -> nn.Module:
     without native bf16: 6.2 ms against 0.52 ms row-major)."""
     tied = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     for m in module.modules():
-        w = m.weight if isinstance(m, nn.Linear) else None
-        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and id(w) not in tied:
+        if (isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+                and id(m.weight) not in tied):
             m.weight.data = m.weight.data.t().contiguous().t()
     return module
 
