@@ -571,6 +571,7 @@ class LLM:
         self.cost = cost or (engine.profile(self._budgets) if engine.K else None)
         # A profiled table goes on learning from the steps as they run; a given one is kept as is.
         self._learn_cost = cost is None and self.cost is not None
+        self._overlap = engine.device.type == "cuda"
         self._ids = itertools.count()
         self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(SOURCES, 0),
                         **{f"{k}_chains": 0 for k in SOURCES[:2]}}
@@ -670,8 +671,8 @@ class LLM:
     # -- the host loop --------------------------------------------------------------------------
 
     def _run(self, reqs: list[_Request]) -> Iterator[Delta]:
-        """Continuous batching. The host launches step t, then reads step t-1's tokens, so on a
-        GPU it streams and schedules while the device works; finished slots go to waiting requests."""
+        """Continuous batching. On a GPU the host launches step t, then reads step t-1's tokens,
+        so it streams and schedules while the device works; finished slots go to waiting requests."""
         try:
             yield from self._schedule(reqs)
         finally:  # the caller stopped early (Ctrl-C, break): free the slots of what is left
@@ -686,7 +687,7 @@ class LLM:
         eng, slots = self.engine, self._slots
         waiting = deque(reqs)
         pending: Launched | None = None
-        # Per slot, a step or two old: survival estimates of its n-gram and its Spark chain.
+        # Per slot, a step old (two on a GPU): survival estimates of its n-gram and its Spark chain.
         est: list[tuple[list[float], list[float]]] = [([], []) for _ in range(eng.S)]
         while waiting or pending or any(slots):
             if self._cancel:
@@ -710,14 +711,15 @@ class LLM:
                 with StepClock(eng.device) as clock:
                     out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass)
                 launched = Launched(out, list(slots[:R]), plan, clock)
-            if pending:
+            # On a CPU the step is done when launch returns: reading it at once gives the next
+            # plan estimates a step fresher.
+            done, pending = (pending, launched) if self._overlap else (launched, None)
+            if done:
                 if self._trace:
-                    self._write_trace(pending)
-                yield from self._absorb(pending.out, pending.owners, pending.rows, pending.plan.spark_pass, est)
+                    self._write_trace(done)
+                yield from self._absorb(done.out, done.owners, done.rows, done.plan.spark_pass, est)
                 if self._learn_cost:  # the step's results are on the host, so its clock can be read
-                    self.cost.observe(len(pending.rows) + pending.plan.budget, pending.plan.spark_pass,
-                                      pending.clock.seconds())
-            pending = launched
+                    self.cost.observe(len(done.rows) + done.plan.budget, done.plan.spark_pass, done.clock.seconds())
 
     def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
         for slot, req in enumerate(self._slots):

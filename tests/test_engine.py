@@ -77,6 +77,22 @@ def test_speculative_greedy_equals_off(spec, seed, batch, init, vocab):
         assert b.finish_reason == a.finish_reason
 
 
+@pytest.mark.parametrize("spec", ["ngram", "hybrid"])
+def test_reading_each_step_a_step_late_as_on_a_gpu_changes_no_token(spec):
+    """On a GPU the host reads step t-1 while step t runs; on a CPU it reads each step at once.
+    Only the plan's estimates differ (a step older), never a request's tokens: greedy and
+    sampled requests, stops and lengths mid-batch, more requests than slots."""
+    rng = random.Random(5)
+    prompts = random_prompts(rng, 7, 40)
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=rng.randrange(1, 25), seed=i)
+              for i in range(7)]
+    now, late = (tiny_llm(spec, eos=2, initializer_range=0.1, vocab_size=40, max_batch_size=3) for _ in range(2))
+    late._overlap = True
+    a, b = now.generate(prompts, params), late.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in a] == [(o.token_ids, o.finish_reason) for o in b]
+    assert sum(o.accepted["ngram"] + o.accepted["spark"] for o in b) > 0
+
+
 def test_ngram_accepts_copies_and_counts_sources():
     llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=32)
     out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(temperature=0, max_tokens=40))[0]
