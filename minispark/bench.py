@@ -144,6 +144,25 @@ def run_row(systems: dict[str, Callable[[list[list[int]]], Result]], prompts: li
     return [totals[name] for name in systems]
 
 
+def per_workload(value: str, workloads: list[str]) -> dict[str, int]:
+    """`--max-tokens`: "96" for every workload, or "code=512,chat=96"."""
+    if "=" not in value:
+        pairs = {w: value for w in workloads}
+    else:
+        pairs = dict(item.split("=", 1) for item in value.split(",") if item)
+    missing = [w for w in workloads if w not in pairs]
+    if missing:
+        raise ValueError(f"--max-tokens {value!r} gives no length for {', '.join(missing)}; "
+                         f"write one number, or one per workload as code=512,chat=128")
+    try:
+        out = {w: int(pairs[w]) for w in workloads}
+    except ValueError:
+        raise ValueError(f"--max-tokens {value!r}: lengths must be whole numbers, as in code=512,chat=128") from None
+    if min(out.values()) < 1:
+        raise ValueError(f"--max-tokens {value!r}: every length must be at least 1")
+    return out
+
+
 def render(results: list[Result], baseline: str) -> str:
     """A Markdown table: one row per (workload, batch), tokens/s and the ratio to `baseline`."""
     systems = list(dict.fromkeys(r.system for r in results))
@@ -230,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
     ap.add_argument("--n", type=int, default=8, help="prompts per workload")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", default="code=512,chat=128", help="tokens per answer: one number for "
+                    "every workload, or per workload as code=512,chat=128 (a code edit is worth measuring "
+                    "to its end: cut short, its answer is mostly the preamble before the copy)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="auto", help="auto (bfloat16 where the hardware computes in it, "
                     "else float32), bfloat16, float32 or float16")
@@ -256,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}")
     peers = [p for p in a.peers.split(",") if p and p != "none"]
     batches = [int(b) for b in a.batch.split(",")]
+    workloads = [w for w in a.workloads.split(",") if w]
+    try:
+        max_tokens = per_workload(a.max_tokens, workloads)
+    except ValueError as e:
+        ap.error(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(a.dtype, device)
 
@@ -266,15 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     peer_model = hf_model(args, hf_sd, dtype) if peers else None
     del hf_sd
     results = []
-    for w in a.workloads.split(","):
+    for w in workloads:
         prompts = [tok.encode_chat(c) for c in workload(w, a.n)]
-        max_seq_len = max(map(len, prompts)) + a.max_tokens + 64
+        max_seq_len = max(map(len, prompts)) + max_tokens[w] + 64
         for b in batches:
             llms = {m: minispark_llm(net, tok, m, prompts[0], b, a.temperature, max_seq_len, drafter, a.compile)
                     for m in modes}
-            systems = {m: (lambda part, m=m: run_minispark(llms[m], m, part, b, a.max_tokens, a.temperature))
+            systems = {m: (lambda part, m=m: run_minispark(llms[m], m, part, b, max_tokens[w], a.temperature))
                        for m in modes}
-            systems.update({p: (lambda part, p=p: run_hf(peer_model, part, b, a.max_tokens, tok.stop_ids,
+            systems.update({p: (lambda part, p=p: run_hf(peer_model, part, b, max_tokens[w], tok.stop_ids,
                                                           p == "hf-pld")) for p in peers})
             for r in run_row(systems, prompts, b, a.rounds):
                 r.workload = w
@@ -287,8 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     compiled = ", compiled step" if a.compile else ""
     header = (f"{path.name}, {str(dtype).removeprefix('torch.')}{compiled}, {where}, temperature {a.temperature}, "
-              f"{a.n} prompts x "
-              f"{a.max_tokens} tokens, torch {torch.__version__}")
+              f"{a.n} prompts, answers of at most {', '.join(f'{n} ({w})' for w, n in max_tokens.items())} tokens, "
+              f"torch {torch.__version__}")
     table = Table(title=header)
     for line in md.splitlines()[:1]:
         for col in line.strip("|").split("|"):

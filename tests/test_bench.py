@@ -1,6 +1,8 @@
 """bench.py: systems take turns on parts of the prompt set, and the command writes its table."""
 from __future__ import annotations
 
+import pytest
+
 from minispark import bench
 
 
@@ -40,8 +42,17 @@ def test_the_command_writes_a_table_with_ratios(tmp_path):
     bench.main(["--modes", "off,ngram", "--peers", "none", "--workloads", "code", "--batch", "1", "--n", "2",
                 "--max-tokens", "8", "--rounds", "2", "--dtype", "float32", "--out", str(out)])
     lines = out.read_text().splitlines()
-    assert "float32" in lines[0] and "2 prompts x 8 tokens" in lines[0]
+    assert "float32" in lines[0] and "2 prompts, answers of at most 8 (code) tokens" in lines[0]
     head, row = lines[2], lines[4]
     assert "off tok/s" in head and "ngram / off" in head and "ngram tok/step" in head
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["code", "1"] and float(cells[2]) > 0 and cells[4].endswith("x")
+
+
+def test_max_tokens_is_one_length_or_one_per_workload():
+    assert bench.per_workload("96", ["code", "chat"]) == {"code": 96, "chat": 96}
+    assert bench.per_workload("code=512,chat=96", ["chat"]) == {"chat": 96}
+    for bad, says in [("code=512", "no length for chat"), ("code=a,chat=1", "whole numbers"),
+                      ("0", "at least 1")]:
+        with pytest.raises(ValueError, match=says):
+            bench.per_workload(bad, ["code", "chat"])
