@@ -706,7 +706,8 @@ class LLM:
             launched = None
             if any(slots):
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
-                plan = self._plan(R, est, queued=bool(waiting))
+                # A step still in flight (on a GPU) may add up to width + 1 tokens the host has not seen.
+                plan = self._plan(R, est, queued=bool(waiting), unseen=pending.plan.width + 1 if pending else 0)
                 sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
                 with StepClock(eng.device) as clock:
                     out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass)
@@ -732,7 +733,8 @@ class LLM:
             yield Delta(req.out, "", "target")
         self._cancel.clear()
 
-    def _plan(self, R: int, est: list[tuple[list[float], list[float]]], queued: bool = False) -> Plan:
+    def _plan(self, R: int, est: list[tuple[list[float], list[float]]], queued: bool = False,
+              unseen: int = 0) -> Plan:
         """Static sizes of the next step from what the host knows: whether Spark drafts, the
         draft budget, the longest chain and the attended cache prefix.
 
@@ -764,8 +766,9 @@ class LLM:
             # budget spread one token per row needs width 1, not the 4 a fair share would give.
             width = min(chain_width(eng.K, budget, len(rows)), bucket(longest, WIDTHS))
             budget = budget if width else 0  # nothing admitted: the step verifies no drafts
-        # Positions reach at most what the host knows + two steps of (width + 1) tokens.
-        ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + 2 * (eng.K + 1) + 1, 256))
+        # This step writes positions up to what the host knows, plus `unseen`, plus the chain. A
+        # prefix no longer than needed matters: every row's attention reads all of it.
+        ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + unseen + width + 1, 256))
         return Plan(budget, width, ctx, spark_pass)
 
     def _worth(self, rows: list[int], queued: bool) -> list[float]:

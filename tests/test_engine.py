@@ -14,6 +14,7 @@ from conftest import tiny_llm
 from minispark import verify
 from minispark.engine import LLM, SamplingParams
 from minispark.model import Batch
+from minispark.price import CostModel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -93,6 +94,34 @@ def test_reading_each_step_a_step_late_as_on_a_gpu_changes_no_token(spec):
     assert sum(o.accepted["ngram"] + o.accepted["spark"] for o in b) > 0
 
 
+@pytest.mark.parametrize("spec,overlap", [("ngram", False), ("ngram", True), ("hybrid", False), ("hybrid", True)])
+def test_long_copies_across_attended_prefix_buckets_keep_every_token(spec, overlap):
+    """The attended prefix `ctx` grows in buckets of 256 with what the host knows; long copied
+    chains cross a bucket's end within one step, and on a GPU a step in flight adds tokens the
+    host has not yet seen. Either way the step must attend to every position it writes."""
+    rng = random.Random(11)
+    frag = [rng.randrange(3, 40) for _ in range(9)]
+    prompts = [(frag * 40)[:n] for n in range(190, 256, 6)] + [[rng.randrange(3, 40) for _ in range(240)]]
+    params = SamplingParams(temperature=0.0, max_tokens=90)
+    off = tiny_llm("off", initializer_range=0.1, vocab_size=40, max_batch_size=1, max_seq_len=700)
+    llm = tiny_llm(spec, initializer_range=0.1, vocab_size=40, max_batch_size=4, max_seq_len=700)
+    llm._overlap = overlap
+    eng, step, tight = llm.engine, llm.engine.step, []
+
+    def checked_step(R, budget, width, ctx, *args):
+        last = torch.where(eng.active[:R], eng.lens[:R] + width, -1).max().item()  # the last it may write
+        assert last < ctx, f"positions up to {last} written, {ctx} attended"
+        tight.append(ctx - last <= 2 * width + 2)
+        return step(R, budget, width, ctx, *args)
+
+    eng.step = checked_step
+    outs = llm.generate(prompts, params)
+    assert any(tight)  # some steps came close to the prefix's end
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == off.generate([p], params)[0].token_ids
+    assert max(o.accepted["ngram"] / o.num_steps for o in outs) > 4  # chains long enough to cross
+
+
 def test_ngram_accepts_copies_and_counts_sources():
     llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=32)
     out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(temperature=0, max_tokens=40))[0]
@@ -146,7 +175,9 @@ def test_sampling_keeps_the_target_distribution(spec, top_k, top_p):
     two through drafts (n-gram copies, Spark tokens with their own q, or the price's choice of
     either) that are sometimes accepted and sometimes rejected."""
     V, n, draws = 6, 3, 6000
-    llm = tiny_llm(spec, seed=5, initializer_range=0.25, vocab_size=V, max_batch_size=64)
+    # Drafts cost nothing here, so the plan verifies some on every step, however poor they are.
+    llm = tiny_llm(spec, seed=5, initializer_range=0.25, vocab_size=V, max_batch_size=64,
+                   cost=CostModel([1, 1025], [1.0, 1.0]))
     if llm.engine.ngram:
         llm.engine.ngram.n_min = 1  # a short alphabet: match on one token so drafts exist every step
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
