@@ -117,9 +117,11 @@ class StepOut:
     source: Tensor  # [R] index into SOURCES of the verified chain
     finish: Tensor  # [R] 0 running, 1 stop, 2 length
     survival: Tensor  # [R, K] survival of the chain each row verified (the trace shows it)
-    ngram_a: Tensor  # [R, K] this step's survival estimates of both chains: the host plans the
-    spark_a: Tensor  # [R, K] next step with them (Spark's are zeros when its pass was skipped)
+    ngram_a: Tensor  # [R, K] survival estimates of the n-gram chains the next step verifies
+    spark_a: Tensor  # [R, K] and of this step's Spark chains (zeros when its pass was skipped)
     length: Tensor  # [R] drafted tokens verified
+    ngram_seen: Tensor  # [R, 2] this step's n-gram proposal, verified or not: expected and
+    # agreeing tokens among those the step emitted (see LLM._trust)
 
 
 # ----------------------------------------------------------------------------- the device engine
@@ -175,6 +177,9 @@ class Engine:
             table = ngram_table if ngram_table is not None else price.default_ngram_table(self.ngram.n_max, self.ngram.k)
             self.ng_table = price.fit_table_width(table, self.ngram.k).to(dev)  # [F, m, K]
             self.ng_last = zeros(S)  # how the slot's last n-gram proposal fared: the table's first index
+            # Each slot's n-gram proposal for its next step, drafted as soon as its history is
+            # known (at the end of a step, in prefill), so the host plans with its estimates.
+            self.ng_tok, self.ng_valid, self.ng_m = zeros(S, self.K), zeros(S), zeros(S)
         self._step = self.decode_step
         if compile:
             # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
@@ -233,10 +238,11 @@ class Engine:
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
         zero = torch.zeros_like(lens)
-        # Until a step has run, the host plans with a guess: every chain token even odds.
+        # Until Spark has drafted, the host plans with a guess for it: every chain token even odds.
         guess = torch.full((R, self.K), 0.5, device=dev).cumprod(-1)
+        ngram_a = self.draft_ngrams(slot_t, min(self.L, round_up(Qp + 1, 64))) if self.ngram else 0 * guess
         return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, guess,
-                       guess if self.ngram else 0 * guess, guess if self.spark else 0 * guess, zero)
+                       ngram_a, guess if self.spark else 0 * guess, zero, torch.zeros(R, 2, device=dev))
 
     def feature_layers(self) -> tuple[int, ...]:
         return self.spark.args.target_layers if self.spark else ()
@@ -276,12 +282,15 @@ class Engine:
         n, finish = self.commit(R, out, n_out, self.non_finite(logits, batch, R))
         if self.spark:
             self.spark.write_context(hidden, batch.slot, batch.pos)
+        next_ngram_a, ngram_seen = torch.zeros_like(d.ngram_a), torch.zeros(R, 2, device=self.device)
         if self.ngram:
+            ngram_seen = price.proposal_outcome(d.ngram, d.ngram_a, d.ngram_valid, out, n_out)
             self.ng_last[:R] = price.ngram_outcome(d.ngram, d.ngram_valid, out, n_out, self.ng_last[:R])
+            next_ngram_a = self.draft_ngrams(torch.arange(R, device=self.device), ctx)
         n_draft = torch.minimum(n, n_out - 1).clamp(min=0)
         source = torch.where(length == 0, SOURCES.index("target"),
                              torch.where(use_spark, SOURCES.index("spark"), SOURCES.index("ngram")))
-        return StepOut(out, n, n_draft, source, finish, a, d.ngram_a, d.spark_a, length)
+        return StepOut(out, n, n_draft, source, finish, a, next_ngram_a, d.spark_a, length, ngram_seen)
 
     def draft(self, R: int, ctx: int, sampling: bool, spark_pass: bool = True) -> Drafts:
         """Both drafters on every row (the ones this mode uses; Spark unless the host skips its
@@ -292,14 +301,10 @@ class Engine:
         zeros = torch.zeros(R, K, device=dev)
         ng_tok, ng_a, m = zeros.long(), zeros, torch.zeros(R, dtype=torch.long, device=dev)
         valid = m
-        if self.ngram:
-            # The anchor next_tok sits at tokens[lens]. An idle row may hold a finished request
-            # longer than this step's attended prefix: it matches nothing.
-            hist_len = torch.where(self.active[:R], self.lens[:R] + 1, 0)
-            tok, valid, m = self.ngram(self.tokens[:R, :ctx], hist_len)
-            valid = torch.minimum(valid, room)
-            conf = self.ng_table[self.ng_last[:R], m]  # [R, k]: calibrated P(token j ok | < j ok)
-            ng_tok, ng_a = pad(tok, K), pad(price.survival(conf, valid), K)
+        if self.ngram:  # drafted at the end of the step before (or in prefill)
+            ng_tok, m = self.ng_tok[:R].clone(), self.ng_m[:R].clone()
+            valid = torch.minimum(self.ng_valid[:R], room)
+            ng_a = self.ngram_survival(torch.arange(R, device=dev), valid)
         sp_tok, sp_a, q = zeros.long(), zeros, None
         if self.spark and spark_pass:
             g = self.spark.args.block
@@ -309,6 +314,23 @@ class Engine:
             sp_tok, sp_a = pad(sampled, K), pad(price.survival(conf, room.clamp(max=g)), K)
             q = None if q is None else pad(q, K)
         return Drafts(ng_tok, ng_a, m, valid, sp_tok, sp_a, q)
+
+    def draft_ngrams(self, slot: Tensor, ctx: int) -> Tensor:
+        """Draft the next step's n-gram proposals of `slot` [N] from their histories (all within
+        the first `ctx` positions) into the slots' buffers; returns their survival [N, K]."""
+        # The anchor next_tok sits at tokens[lens]. An idle row may hold a finished request
+        # longer than the attended prefix: it matches nothing.
+        hist_len = torch.where(self.active[slot], self.lens[slot] + 1, 0)
+        tok, valid, m = self.ngram(self.tokens[slot, :ctx], hist_len)
+        self.ng_tok[slot], self.ng_valid[slot], self.ng_m[slot] = pad(tok, self.K), valid, m
+        room = (self.L - 2 - self.lens[slot]).clamp(min=0)
+        return self.ngram_survival(slot, torch.minimum(valid, room))
+
+    def ngram_survival(self, slot: Tensor, valid: Tensor) -> Tensor:
+        """[N, K] survival of the slots' n-gram proposals from the calibrated table, indexed by
+        how the slot's last proposal fared and by the match length."""
+        conf = self.ng_table[self.ng_last[slot], self.ng_m[slot]]  # [N, k]: P(token j ok | < j ok)
+        return pad(price.survival(conf, valid), self.K)
 
     def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
         """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed
@@ -483,7 +505,7 @@ class Launched(NamedTuple):
 # ----------------------------------------------------------------------------- the user API
 
 
-TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per verified chain
+TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per observed chain
 WORTH_HORIZON = 8  # tokens of margin over which a row that will be done in time loses its worth
 BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -687,7 +709,8 @@ class LLM:
         eng, slots = self.engine, self._slots
         waiting = deque(reqs)
         pending: Launched | None = None
-        # Per slot, a step old (two on a GPU): survival estimates of its n-gram and its Spark chain.
+        # Per slot: survival estimates of its next n-gram chain (on a GPU, the one before) and of
+        # its last Spark chain.
         est: list[tuple[list[float], list[float]]] = [([], []) for _ in range(eng.S)]
         while waiting or pending or any(slots):
             if self._cancel:
@@ -738,7 +761,7 @@ class LLM:
         """Static sizes of the next step from what the host knows: whether Spark drafts, the
         draft budget, the longest chain and the attended cache prefix.
 
-        DSpark's adaptive verification over estimates a step or two old, for each kind of step:
+        DSpark's adaptive verification over the latest estimates the host has, for each kind of step:
         with the Spark pass (each row offers the better of its two chains) or without it (its
         n-gram chain, or nothing), at the cost the profile measured for that kind, each drafter's
         estimates scaled by how far they have been borne out (`_trust`) and each row's tokens
@@ -795,10 +818,17 @@ class LLM:
         """Accepted over expected tokens of the drafter's recent chains. Its estimates were
         calibrated on its training text, and a workload unlike that text makes them optimistic
         (the shipped Spark drafter: first-slot acceptance 0.32 on MT-Bench, 0.49 estimated) or
-        pessimistic (n-gram copies in a code edit); the plan scales them by this ratio. It reads
-        finished steps only, so like the budget it is fixed before a step's drafts exist."""
+        pessimistic (n-gram copies in a code edit); the plan scales them by this ratio. n-gram
+        proposals count whether verified or not: the emitted tokens check them for free, so a
+        plan that stopped verifying copies learns when to resume. It reads finished steps only,
+        so like the budget it is fixed before a step's drafts exist."""
         expected, accepted = self._seen[drafter]
         return accepted / expected
+
+    def _observe(self, drafter: str, expected: float, accepted: float) -> None:
+        seen = self._seen[drafter]
+        seen[0] = TRUST_DECAY * seen[0] + expected
+        seen[1] = TRUST_DECAY * seen[1] + accepted
 
     def _absorb(self, out: StepOut, owners: list, rows: list[int], spark_pass: bool,
                 est: list[tuple[list[float], list[float]]], count_step: bool = True) -> Iterator[Delta]:
@@ -806,13 +836,15 @@ class LLM:
         tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
         source, finish, length = out.source.tolist(), out.finish.tolist(), out.length.tolist()
         ngram_a, spark_a, chosen = out.ngram_a.tolist(), out.spark_a.tolist(), out.survival.tolist()
+        ngram_seen = out.ngram_seen.tolist()
         for i, (req, slot) in enumerate(zip(owners, rows)):
             # A skipped Spark pass leaves the slot's last Spark estimates standing.
             est[slot] = (ngram_a[i], spark_a[i] if spark_pass else est[slot][1])
-            if count_step and req is not None and length[i] > 0 and n[i] > 0:
-                seen = self._seen[SOURCES[source[i]]]
-                seen[0] = TRUST_DECAY * seen[0] + sum(chosen[i][: length[i]])
-                seen[1] = TRUST_DECAY * seen[1] + n_draft[i]
+            if count_step and req is not None and n[i] > 0:
+                if length[i] > 0:
+                    self._observe(SOURCES[source[i]], sum(chosen[i][: length[i]]), n_draft[i])
+                if not (length[i] > 0 and SOURCES[source[i]] == "ngram") and ngram_seen[i][0] > 0:
+                    self._observe("ngram", *ngram_seen[i])  # a proposal not verified, checked for free
             if req is None or req.out.finished or (n[i] == 0 and FINISH.get(finish[i]) != "error"):
                 continue
             o = req.out

@@ -115,8 +115,9 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
     expected tokens per second, (active + sum of the top-B survivals) / cost(rows + B), with
     the Spark pass's time added when the step runs it. Returns B and that rate.
 
-    `a_sorted` are survivals from a step or two ago, largest first: the host never waits for
-    this step's drafts, and B is fixed before they exist (which keeps sampling lossless)."""
+    `a_sorted` are survivals the host already holds, largest first: it never waits for a
+    step's Spark drafts, and B is fixed before they are sampled (which keeps sampling lossless;
+    n-gram proposals are a function of the history alone)."""
     best, best_rate = 0, -1.0
     cum = [0.0]
     for a in a_sorted:
@@ -217,6 +218,19 @@ def ngram_outcome(proposal: Tensor, valid: Tensor, out: Tensor, n_out: Tensor, l
     state = torch.where(agree == 0, WRONG, torch.where(agree >= torch.minimum(n_out, valid), RIGHT, PARTIAL))
     state = torch.where(valid > 0, state, NO_PROPOSAL)
     return torch.where(n_out > 0, state, last)
+
+
+def proposal_outcome(proposal: Tensor, a: Tensor, valid: Tensor, out: Tensor, n_out: Tensor) -> Tensor:
+    """[R, 2] for each row's proposal (survival a [R, K]), over the positions the emitted tokens
+    out [R, Q] (first n_out valid) cover: expected agreeing tokens (sum of a there) and the
+    tokens that did agree, leading. Emitted tokens check a copy whether or not it was verified
+    (an n-gram token is accepted exactly when it equals the target's token)."""
+    W = min(proposal.shape[1], out.shape[1])
+    col = torch.arange(W, device=out.device)[None, :]
+    covered = torch.minimum(n_out, valid)[:, None] > col  # [R, W]
+    agree = ((proposal[:, :W] == out[:, :W]) & covered).long().cumprod(-1).sum(-1)
+    expected = torch.where(covered, a[:, :W], 0.0).sum(-1)
+    return torch.stack([expected, agree.to(expected.dtype)], dim=-1)
 
 
 def default_ngram_table(n_max: int, k: int) -> Tensor:

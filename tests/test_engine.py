@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_llm
 from minispark import verify
-from minispark.engine import LLM, SamplingParams
+from minispark.engine import LLM, TRUST_PRIOR, SamplingParams
 from minispark.model import Batch
 from minispark.price import CostModel
 
@@ -120,6 +120,41 @@ def test_long_copies_across_attended_prefix_buckets_keep_every_token(spec, overl
     for p, o in zip(prompts, outs):
         assert o.token_ids == off.generate([p], params)[0].token_ids
     assert max(o.accepted["ngram"] / o.num_steps for o in outs) > 4  # chains long enough to cross
+
+
+def test_the_host_plans_with_the_estimates_of_the_copies_the_next_step_verifies():
+    """n-gram proposals are drafted as soon as a step has committed: the estimates a step hands
+    the host are those of the proposals the next step verifies, not of its own."""
+    llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=32, max_batch_size=2)
+    eng, told, drafted = llm.engine, [], []
+    draft, step = eng.draft, eng.step
+
+    def spy_draft(*args, **kw):
+        d = draft(*args, **kw)
+        drafted.append(d.ngram_a.clone())
+        return d
+
+    def spy_step(*args, **kw):
+        out = step(*args, **kw)
+        told.append(out.ngram_a.clone())
+        return out
+
+    eng.draft, eng.step = spy_draft, spy_step
+    llm.generate([[5, 6, 7, 8, 9] * 4, [3, 4, 5, 3, 4, 5, 3]], SamplingParams(temperature=0, max_tokens=30))
+    assert len(drafted) > 5 and any(a.sum() > 0 for a in drafted)
+    for before, now in zip(told, drafted[1:]):
+        R = min(len(before), len(now))
+        assert torch.equal(before[:R], now[:R])
+
+
+def test_copies_never_verified_still_teach_the_plan_how_far_to_trust_them():
+    """With drafts too dear to verify, each step's n-gram proposal is still checked against the
+    token the target emitted, so the plan's trust in the table moves with what it sees."""
+    llm = tiny_llm("ngram", initializer_range=0.3, vocab_size=40, cost=CostModel([1, 1025], [1.0, 1000.0]))
+    llm.generate(random_prompts(random.Random(2), 4, 40), SamplingParams(temperature=0, max_tokens=20))
+    assert llm.stats()["ngram_chains"] == 0
+    expected, accepted = llm._seen["ngram"]
+    assert expected > TRUST_PRIOR + 1 and llm._trust("ngram") != 1.0
 
 
 def test_ngram_accepts_copies_and_counts_sources():

@@ -213,6 +213,19 @@ def test_ngram_outcome_states():
     assert ngram_outcome(proposal, valid, out, n_out, last).tolist() == [2, 1, 0, 1, 3, 3]
 
 
+def test_a_proposal_is_checked_against_the_emitted_tokens_it_covers():
+    from minispark.price import proposal_outcome
+
+    proposal = torch.tensor([[5, 6, 7]] * 4)
+    a = torch.tensor([[0.5, 0.25, 0.125]] * 4)
+    valid = torch.tensor([3, 3, 1, 0])
+    out = torch.tensor([[5, 6, 9], [5, 0, 0], [5, 6, 7], [5, 6, 7]])
+    n_out = torch.tensor([3, 1, 3, 3])
+    # three covered, two agree; one covered (an unverified copy meets the target's own token);
+    # a one-token proposal; none
+    assert proposal_outcome(proposal, a, valid, out, n_out).tolist() == [[0.875, 2], [0.5, 1], [0.5, 1], [0, 0]]
+
+
 # -- the host's plan ---------------------------------------------------------------------------
 
 def test_best_budget_pays_for_the_spark_pass():
