@@ -226,7 +226,7 @@ def test_cache_end_mid_step_with_an_overflowing_draft(tmp_path):
     llm = LLM.from_model(net, ByteTokenizer(), spec="ngram", max_batch_size=3, max_seq_len=Ls, cost=FLAT_COST,
                          trace=str(trace))
     spy = llm.engine.ngram = SpyDrafter(llm.engine)
-    prompts = [[9, 10, 11, 12] * 10 + [9], [20, 21], [30, 31, 32] * 5, [40]]
+    prompts = [[9, 10, 11, 12] * 10 + [9, 10], [20, 21], [30, 31, 32] * 5, [40]]
     params = [SamplingParams(temperature=0, max_tokens=100), SamplingParams(temperature=0, max_tokens=40),
               SamplingParams(temperature=0.8, seed=7, max_tokens=40), SamplingParams(temperature=0, max_tokens=3)]
     outs = llm.generate(prompts, params)
