@@ -207,14 +207,20 @@ def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int, rounds: int = 2
 NO_PROPOSAL, WRONG, PARTIAL, RIGHT = 0, 1, 2, 3
 
 
+def leading_agreement(proposal: Tensor, valid: Tensor, out: Tensor, n_out: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions [R, W] where both the proposal (first `valid`) and the emitted tokens (first
+    `n_out`) exist, and how many leading ones agree [R]."""
+    W = min(proposal.shape[1], out.shape[1])
+    col = torch.arange(W, device=out.device)[None, :]
+    covered = torch.minimum(n_out, valid)[:, None] > col
+    return covered, ((proposal[:, :W] == out[:, :W]) & covered).long().cumprod(-1).sum(-1)
+
+
 def ngram_outcome(proposal: Tensor, valid: Tensor, out: Tensor, n_out: Tensor, last: Tensor) -> Tensor:
     """The new state [R] of each row: NO_PROPOSAL; WRONG when the proposal's first token is not
     the first token emitted; RIGHT when it agrees with every emitted token it covers; PARTIAL
     between. Rows that emitted nothing keep `last`."""
-    W = min(proposal.shape[1], out.shape[1])
-    col = torch.arange(W, device=out.device)[None, :]
-    same = (proposal[:, :W] == out[:, :W]) & (col < n_out[:, None])
-    agree = same.long().cumprod(-1).sum(-1)  # leading emitted tokens the proposal had
+    _, agree = leading_agreement(proposal, valid, out, n_out)
     state = torch.where(agree == 0, WRONG, torch.where(agree >= torch.minimum(n_out, valid), RIGHT, PARTIAL))
     state = torch.where(valid > 0, state, NO_PROPOSAL)
     return torch.where(n_out > 0, state, last)
@@ -225,11 +231,8 @@ def proposal_outcome(proposal: Tensor, a: Tensor, valid: Tensor, out: Tensor, n_
     out [R, Q] (first n_out valid) cover: expected agreeing tokens (sum of a there) and the
     tokens that did agree, leading. Emitted tokens check a copy whether or not it was verified
     (an n-gram token is accepted exactly when it equals the target's token)."""
-    W = min(proposal.shape[1], out.shape[1])
-    col = torch.arange(W, device=out.device)[None, :]
-    covered = torch.minimum(n_out, valid)[:, None] > col  # [R, W]
-    agree = ((proposal[:, :W] == out[:, :W]) & covered).long().cumprod(-1).sum(-1)
-    expected = torch.where(covered, a[:, :W], 0.0).sum(-1)
+    covered, agree = leading_agreement(proposal, valid, out, n_out)
+    expected = torch.where(covered, a[:, : covered.shape[1]], 0.0).sum(-1)
     return torch.stack([expected, agree.to(expected.dtype)], dim=-1)
 
 
