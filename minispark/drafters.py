@@ -31,27 +31,24 @@ class NgramDrafter:
         Returns draft [R, K], valid [R] (drafted tokens that exist) and match length m [R] (0 = none)."""
         R, C = tokens.shape
         dev = tokens.device
-        best_start = torch.zeros(R, dtype=torch.long, device=dev)  # where the continuation starts
-        best_n = torch.zeros(R, dtype=torch.long, device=dev)
-        for n in range(self.n_max, self.n_min - 1, -1):
-            if n >= C:
-                continue
-            suffix_at = (hist_len[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
-            suffix = tokens.gather(1, suffix_at)  # [R, n]
-            windows = tokens.unfold(1, n, 1)  # [R, C - n + 1, n]
-            start = torch.arange(C - n + 1, device=dev)[None, :]
-            # An earlier occurrence must leave at least one following token inside the history
-            # (its continuation may run into the suffix itself: overlapping repeats copy fine).
-            hit = (windows == suffix[:, None, :]).all(-1) & (start + n < hist_len[:, None])
-            hit &= (hist_len >= n + 1)[:, None]
-            # The earliest occurrence: in code edits it is the prompt's copy of the text, and in
-            # a run like "x x x x" it has the longest continuation (measured: more accepted
-            # tokens per step than the most recent occurrence on the code-edit set).
-            first = torch.where(hit, start, C).amin(-1)
-            found = torch.where(first < C, first, -1)  # [R] chosen window, -1 if none
-            take = (best_n == 0) & (found >= 0)
-            best_start = torch.where(take, found + n, best_start)
-            best_n = torch.where(take, n, best_n)
+        pos = torch.arange(C, device=dev)[None, :]
+        # match[r, p]: how many tokens ending at p equal the history's last ones, up to n_max.
+        # One comparison of the whole buffer per suffix token, rather than one per (n, window).
+        n = min(self.n_max, C)
+        back = torch.arange(n, device=dev)
+        last = tokens.gather(1, (hist_len[:, None] - 1 - back).clamp(min=0))  # [R, n]: i-th token from the end
+        before = torch.stack([F.pad(tokens, (i, 0))[:, :C] for i in range(n)], dim=1)  # [R, n, C]: at p - i
+        same = (before == last[:, :, None]) & (pos[:, None, :] >= back[None, :, None])
+        match = same.long().cumprod(1).sum(1)  # [R, C]
+        # A window ending at p leaves a following token inside the history when p + 1 < hist_len
+        # (its continuation may run into the suffix itself: overlapping repeats copy fine).
+        match = torch.where((pos < hist_len[:, None] - 1) & (match >= self.n_min), match, 0)
+        # The longest match, then the earliest occurrence: in code edits it is the prompt's copy
+        # of the text, and in a run like "x x x x" it has the longest continuation (measured:
+        # more accepted tokens per step than the most recent occurrence on the code-edit set).
+        end = (match * C + (C - 1 - pos)).argmax(-1)  # [R]
+        best_n = match.gather(1, end[:, None]).squeeze(1)
+        best_start = end + 1  # where the continuation starts
         at = best_start[:, None] + torch.arange(self.k, device=dev)  # [R, K]
         draft = tokens.gather(1, at.clamp(max=C - 1))
         valid = torch.where(best_n > 0, (hist_len - best_start).clamp(0, self.k), 0)
