@@ -120,8 +120,8 @@ class StepOut:
     ngram_a: Tensor  # [R, K] survival estimates of the n-gram chains the next step verifies
     spark_a: Tensor  # [R, K] and of this step's Spark chains (zeros when its pass was skipped)
     length: Tensor  # [R] drafted tokens verified
-    ngram_seen: Tensor  # [R, 2] this step's n-gram proposal, verified or not: expected and
-    # agreeing tokens among those the step emitted (see LLM._trust)
+    ngram_seen: Tensor  # [R, 2] this step's n-gram proposal, verified or not, against the tokens
+    # the step emitted: summed per-token estimates of the positions reached, and tokens agreeing
 
 
 # ----------------------------------------------------------------------------- the device engine
@@ -270,7 +270,7 @@ class Engine:
         here reads a tensor value on the host."""
         d = self.draft(R, ctx, sampling, spark_pass)
         w = self.worth[:R, None]
-        use_spark, _ = price.choose_chains(w * d.ngram_a, w * d.spark_a, budget)  # [R]
+        use_spark, _ = price.choose_chains(w * d.ngram_a[:, :width], w * d.spark_a[:, :width], budget)  # [R]
         a = torch.where(use_spark[:, None], d.spark_a, d.ngram_a)  # [R, W]
         length = price.admit_top(w * a[:, :width], budget)  # [R], at most `width` each
         chain = torch.where(use_spark[:, None], d.spark, d.ngram)[:, :width]  # [R, width]
@@ -777,16 +777,21 @@ class LLM:
             worth = self._worth(rows, queued)
             eng.set_worth(dict(zip(rows, worth)), R)
             rate = -1.0
-            trust = self._trust("ngram"), self._trust("spark")
-            scaled = {i: [[min(1.0, x * t) * w for x in chain] for chain, t in zip(est[i], trust)]
-                      for i, w in zip(rows, worth)}
+            trust = torch.tensor([self._trust("ngram"), self._trust("spark")])
+            scaled = (price.trusted(torch.tensor([est[i] for i in rows]), trust)  # [N, 2, K]
+                      * torch.tensor(worth)[:, None, None]).tolist()
+            scaled = dict(zip(rows, scaled))
             longest = 0
             for with_spark in (False, True) if eng.spark else (False,):
-                chains = [max(scaled[i], key=sum) if with_spark else scaled[i][0] for i in rows]
-                a = sorted((x for chain in chains for x in chain), reverse=True)
-                B, r = price.best_budget(R, sum(worth), a, self._budgets, self.cost, with_spark)
-                if r > rate:
-                    budget, spark_pass, rate, longest = B, with_spark, r, price.longest_admitted(chains, B)
+                # A budget is worth the pairs within the step's widest chain only: the device
+                # admits nothing past it (counting them made small steps look like bargains).
+                for W, group in itertools.groupby(self._budgets, lambda B: chain_width(eng.K, B, len(rows))):
+                    chains = [max((c[:W] for c in scaled[i]), key=sum) if with_spark else scaled[i][0][:W]
+                              for i in rows]
+                    a = sorted((x for chain in chains for x in chain), reverse=True)
+                    B, r = price.best_budget(R, sum(worth), a, list(group), self.cost, with_spark)
+                    if r > rate:
+                        budget, spark_pass, rate, longest = B, with_spark, r, price.longest_admitted(chains, B)
             # Attention runs over a grid of R x (width + 1) queries, however few are real: a
             # budget spread one token per row needs width 1, not the 4 a fair share would give.
             width = min(chain_width(eng.K, budget, len(rows)), bucket(longest, WIDTHS))
@@ -817,10 +822,13 @@ class LLM:
         return [min(1.0, max(0.0, 1.0 - (steps - r) / WORTH_HORIZON)) for r in left]
 
     def _trust(self, drafter: str) -> float:
-        """Accepted over expected tokens of the drafter's recent chains. Its estimates were
-        calibrated on its training text, and a workload unlike that text makes them optimistic
-        (the shipped Spark drafter: first-slot acceptance 0.32 on MT-Bench, 0.49 estimated) or
-        pessimistic (n-gram copies in a code edit); the plan scales them by this ratio. n-gram
+        """Accepted over expected tokens of the drafter's recent chains, at the positions they
+        reached (every earlier token accepted), expected being the sum of per-token estimates
+        there. Its estimates were calibrated on its training text, and a workload unlike that
+        text makes them optimistic (the shipped Spark drafter: first-slot acceptance 0.32 on
+        MT-Bench, 0.49 estimated) or pessimistic (n-gram copies in a code edit); the plan scales
+        each per-token estimate by this ratio (`price.trusted`), so that an error compounds
+        along a chain as it does in the chain's survival. n-gram
         proposals count whether verified or not: the emitted tokens check them for free, so a
         plan that stopped verifying copies learns when to resume. It reads finished steps only,
         so like the budget it is fixed before a step's drafts exist."""
@@ -837,14 +845,15 @@ class LLM:
         """Read one step's results on the host and hand them to their requests."""
         tokens, n, n_draft = out.tokens.tolist(), out.n.tolist(), out.n_draft.tolist()
         source, finish, length = out.source.tolist(), out.finish.tolist(), out.length.tolist()
-        ngram_a, spark_a, chosen = out.ngram_a.tolist(), out.spark_a.tolist(), out.survival.tolist()
+        ngram_a, spark_a = out.ngram_a.tolist(), out.spark_a.tolist()
+        per_tok = price.per_token(out.survival).tolist()  # [R, K]: c_j of each verified chain
         ngram_seen = out.ngram_seen.tolist()
         for i, (req, slot) in enumerate(zip(owners, rows)):
             # A skipped Spark pass leaves the slot's last Spark estimates standing.
             est[slot] = (ngram_a[i], spark_a[i] if spark_pass else est[slot][1])
             if count_step and req is not None and n[i] > 0:
-                if length[i] > 0:
-                    self._observe(SOURCES[source[i]], sum(chosen[i][: length[i]]), n_draft[i])
+                if length[i] > 0:  # the positions reached: the accepted ones and the first rejected
+                    self._observe(SOURCES[source[i]], sum(per_tok[i][: min(n_draft[i] + 1, length[i])]), n_draft[i])
                 if not (length[i] > 0 and SOURCES[source[i]] == "ngram") and ngram_seen[i][0] > 0:
                     self._observe("ngram", *ngram_seen[i])  # a proposal not verified, checked for free
             if req is None or req.out.finished or (n[i] == 0 and FINISH.get(finish[i]) != "error"):

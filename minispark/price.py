@@ -19,6 +19,20 @@ def survival(conf: Tensor, valid: Tensor) -> Tensor:
     return torch.where(col < valid[:, None], conf.clamp(0, 1).cumprod(-1), 0.0)
 
 
+def per_token(a: Tensor) -> Tensor:
+    """The per-token estimates c [.., K] behind survival a = cumprod(c): c_j = a_j / a_{j-1},
+    0 past the chain's end."""
+    prev = torch.cat([torch.ones_like(a[..., :1]), a[..., :-1]], dim=-1)
+    return torch.where(prev > 0, a / torch.where(prev > 0, prev, 1.0), 0.0)
+
+
+def trusted(a: Tensor, trust: Tensor) -> Tensor:
+    """Survival a [.., K] with every per-token estimate scaled by `trust` [..] (at most 1 each):
+    a drafter whose tokens are accepted 0.9 times as often as it says is worth 0.9 less per
+    token, compounding along its chain, not 0.9 less per chain."""
+    return (per_token(a) * trust[..., None]).clamp(max=1.0).cumprod(-1)
+
+
 def admit_top(a: Tensor, budget: int) -> Tensor:
     """Chain lengths [R] that admit the `budget` (row, position) pairs of largest survival.
 
@@ -228,11 +242,13 @@ def ngram_outcome(proposal: Tensor, valid: Tensor, out: Tensor, n_out: Tensor, l
 
 def proposal_outcome(proposal: Tensor, a: Tensor, valid: Tensor, out: Tensor, n_out: Tensor) -> Tensor:
     """[R, 2] for each row's proposal (survival a [R, K]), over the positions the emitted tokens
-    out [R, Q] (first n_out valid) cover: expected agreeing tokens (sum of a there) and the
-    tokens that did agree, leading. Emitted tokens check a copy whether or not it was verified
-    (an n-gram token is accepted exactly when it equals the target's token)."""
+    out [R, Q] (first n_out valid) reach (cover, every earlier one agreeing): the sum of their
+    per-token estimates and how many agreed. Emitted tokens check a copy whether or not it was
+    verified (an n-gram token is accepted exactly when it equals the target's token)."""
     covered, agree = leading_agreement(proposal, valid, out, n_out)
-    expected = torch.where(covered, a[:, : covered.shape[1]], 0.0).sum(-1)
+    col = torch.arange(covered.shape[1], device=out.device)[None, :]
+    reached = covered & (col <= agree[:, None])
+    expected = torch.where(reached, per_token(a)[:, : covered.shape[1]], 0.0).sum(-1)
     return torch.stack([expected, agree.to(expected.dtype)], dim=-1)
 
 

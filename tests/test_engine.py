@@ -452,7 +452,8 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
     assert out.token_ids == reference_greedy(llm, prompt, 48)
     passes = [json.loads(line)["spark_pass"] for line in path.read_text().splitlines()]
     assert all(passes[:3]) and not any(passes[-20:])
-    assert llm._trust("spark") < 0.2
+    # Each rejected chain reached one token, estimated certain: trust per token falls from 1.
+    assert llm._trust("spark") < 0.5
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
@@ -511,3 +512,30 @@ def test_a_profiled_cost_table_learns_from_the_steps_it_runs_and_a_given_one_is_
     given = tiny_llm("hybrid")
     assert [o.token_ids for o in given.generate(prompts, GREEDY)] == [o.token_ids for o in outs]
     assert given.cost.drift == {}  # a table passed in is the caller's, and stays as given
+
+
+def test_the_plan_values_a_budget_only_by_the_pairs_its_step_can_verify(monkeypatch):
+    """Each budget's step caps its chains at `chain_width`; the host must price it with the
+    survivals of those positions only (not all K of every chain), as the device admits them."""
+    from minispark import engine as E
+
+    llm = tiny_llm("ngram", max_batch_size=16, initializer_range=0.02, vocab_size=32)
+    seen, live = [], []
+    real_worth, real_best = llm._worth, E.price.best_budget
+
+    def worth(rows, queued):
+        live.append(len(rows))
+        return real_worth(rows, queued)
+
+    def best_budget(n_rows, n_active, a, budgets, cost, spark_pass=False):
+        seen.append((live[-1], len(a), list(budgets)))
+        return real_best(n_rows, n_active, a, budgets, cost, spark_pass)
+
+    monkeypatch.setattr(llm, "_worth", worth)
+    monkeypatch.setattr(E.price, "best_budget", best_budget)
+    llm.generate([[5, 6, 7, 8, 9] * 4] * 16, SamplingParams(temperature=0, max_tokens=12))
+    K = llm.engine.K
+    assert any(0 < pairs < n * K for n, pairs, _ in seen)  # some steps cut chains short
+    for n, pairs, budgets in seen:
+        widths = {E.chain_width(K, B, n) for B in budgets}
+        assert len(widths) == 1 and pairs <= n * widths.pop()

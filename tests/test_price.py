@@ -223,7 +223,7 @@ def test_a_proposal_is_checked_against_the_emitted_tokens_it_covers():
     n_out = torch.tensor([3, 1, 3, 3])
     # three covered, two agree; one covered (an unverified copy meets the target's own token);
     # a one-token proposal; none
-    assert proposal_outcome(proposal, a, valid, out, n_out).tolist() == [[0.875, 2], [0.5, 1], [0.5, 1], [0, 0]]
+    assert proposal_outcome(proposal, a, valid, out, n_out).tolist() == [[1.5, 2], [0.5, 1], [0.5, 1], [0, 0]]
 
 
 # -- the host's plan ---------------------------------------------------------------------------
@@ -301,3 +301,15 @@ def test_the_cost_table_learns_from_the_steps_it_times():
     fresh = CostModel([16, 17, 32], [1.0, 1.02, 1.5])
     assert best_budget(16, 16, [0.5], [0, 1], fresh)[0] == 1
     assert best_budget(16, 16, [0.5], [0, 1], cost)[0] == 0
+
+
+def test_trust_scales_each_token_so_an_error_compounds_along_the_chain():
+    from minispark.price import per_token, trusted
+
+    a = torch.tensor([[0.5, 0.25, 0.125, 0.0], [0.9, 0.81, 0.0, 0.0]])
+    assert torch.allclose(per_token(a), torch.tensor([[0.5, 0.5, 0.5, 0.0], [0.9, 0.9, 0.0, 0.0]]))
+    # trust 0.5 on the second row: each token half as likely, its second a quarter
+    assert torch.allclose(trusted(a, torch.tensor([1.0, 0.5])), torch.tensor([[0.5, 0.25, 0.125, 0.0],
+                                                                             [0.45, 0.2025, 0.0, 0.0]]))
+    # a pessimistic estimate is raised, but no token beyond certain; chains still end where they did
+    assert trusted(a, torch.tensor(4.0)).tolist() == [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
