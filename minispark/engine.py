@@ -232,7 +232,7 @@ class Engine:
         self.n_gen[slot_t] = 0
         # The first token is emitted like any other: through the same commit rule.
         out = first[:, None]
-        broken = ~torch.isfinite(logits).all(-1)
+        broken = non_finite_logits(logits)
         n, finish = self.finish_rule(slot_t, out, torch.ones_like(lens), broken, first_pos=lens)
         self.tokens[slot_t, lens] = first
         self.n_gen[slot_t] = n
@@ -436,9 +436,7 @@ class Engine:
     @staticmethod
     def non_finite(logits: Tensor, b: Batch, R: int) -> Tensor:
         """[R] rows with a NaN or inf among their logits: they stop with an error, unsampled."""
-        # A sum is NaN or inf exactly when a term is (short of 1e33-sized logits), and costs a
-        # sixth of an elementwise isfinite over the vocabulary.
-        bad = (~logits.sum(-1, dtype=torch.float32).isfinite()).long()  # [T]
+        bad = non_finite_logits(logits).long()  # [T]
         row = b.cell // b.n_cols  # padding lands in row R
         return torch.zeros(R + 1, dtype=torch.long, device=logits.device).index_add_(0, row, bad)[:R] > 0
 
@@ -828,10 +826,10 @@ class LLM:
         text makes them optimistic (the shipped Spark drafter: first-slot acceptance 0.32 on
         MT-Bench, 0.49 estimated) or pessimistic (n-gram copies in a code edit); the plan scales
         each per-token estimate by this ratio (`price.trusted`), so that an error compounds
-        along a chain as it does in the chain's survival. n-gram
-        proposals count whether verified or not: the emitted tokens check them for free, so a
-        plan that stopped verifying copies learns when to resume. It reads finished steps only,
-        so like the budget it is fixed before a step's drafts exist."""
+        along a chain as it does in the chain's survival. n-gram proposals count whether
+        verified or not: the emitted tokens check them for free, so a plan that stopped
+        verifying copies learns when to resume. It reads finished steps only, so like the
+        budget it is fixed before a step's drafts exist."""
         expected, accepted = self._seen[drafter]
         return accepted / expected
 
@@ -969,6 +967,13 @@ def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark
         gib = 2**30
         raise ValueError(f"the KV cache for max_batch_size={S} x max_seq_len={L} needs {need / gib:.1f} GiB, "
                          f"but only {free / gib:.1f} GiB is free on {device}; lower max_seq_len or max_batch_size")
+
+
+def non_finite_logits(logits: Tensor) -> Tensor:
+    """[T] True where a row of logits [T, V] holds a NaN or inf. A sum is NaN or inf exactly
+    when a term is (short of 1e33-sized logits), and costs a sixth of an elementwise isfinite
+    over the vocabulary."""
+    return ~logits.sum(-1, dtype=torch.float32).isfinite()
 
 
 def pad(x: Tensor, width: int) -> Tensor:
