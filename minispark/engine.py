@@ -506,6 +506,7 @@ class Launched(NamedTuple):
 
 
 TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per observed chain
+GAIN_DECAY = 0.9  # per step: a row's gain remembers its last ten or so chains
 WORTH_HORIZON = 8  # tokens of margin over which a row that will be done in time loses its worth
 BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -602,6 +603,7 @@ class LLM:
         # Per drafter, decayed sums of expected and accepted tokens over its verified chains,
         # starting from a prior of agreement: see `_trust`.
         self._seen = {k: [TRUST_PRIOR, TRUST_PRIOR] for k in SOURCES[:2]}
+        self._gain: list[float | None] = [None] * engine.S  # per slot: see `_slowest_share`
 
     # -- public -------------------------------------------------------------------------------
 
@@ -721,6 +723,7 @@ class LLM:
                 slot, req = free.pop(0), waiting.popleft()
                 slots[slot] = req
                 eng.set_request(slot, req.out.prompt_token_ids, req.params, req.seed, req.stop_ids)
+                self._gain[slot] = None
                 admitted.append(slot)
             if admitted:
                 out = eng.prefill(admitted, [slots[s].out.prompt_token_ids for s in admitted],
@@ -776,8 +779,9 @@ class LLM:
             eng.set_worth(dict(zip(rows, worth)), R)
             rate = -1.0
             trust = torch.tensor([self._trust("ngram"), self._trust("spark")])
-            scaled = (price.trusted(torch.tensor([est[i] for i in rows]), trust)  # [N, 2, K]
-                      * torch.tensor(worth)[:, None, None]).tolist()
+            trusted = price.trusted(torch.tensor([est[i] for i in rows]), trust)  # [N, 2, K]
+            share = self._slowest_share(rows, trusted.sum(-1).amax(-1).tolist(), worth, queued)
+            scaled = (trusted * (torch.tensor(worth) * share)[:, None, None]).tolist()
             scaled = dict(zip(rows, scaled))
             longest = 0
             for with_spark in (False, True) if eng.spark else (False,):
@@ -818,6 +822,17 @@ class LLM:
             pace = len(o.token_ids) / o.num_steps if o.num_steps else 1.0
             steps = max(steps, left[-1] / max(pace, 1.0))
         return [min(1.0, max(0.0, 1.0 - (steps - r) / WORTH_HORIZON)) for r in left]
+
+    def _slowest_share(self, rows: list[int], gain: list[float], worth: list[float], queued: bool) -> float:
+        """How much of a drafted token shortens the run (`price.slowest_share`): all of it while
+        requests wait; with none waiting, the share the slowest row gains. A row's gain is
+        what its best chains have promised lately (decayed over GAIN_DECAY steps), not just
+        now: a row copying code pauses at each edit and resumes, a row writing new text
+        seldom copies at all."""
+        for i, g in zip(rows, gain):
+            last = self._gain[i]
+            self._gain[i] = g if last is None else GAIN_DECAY * last + (1 - GAIN_DECAY) * g
+        return 1.0 if queued else price.slowest_share([self._gain[i] for i in rows], worth)
 
     def _trust(self, drafter: str) -> float:
         """Accepted over expected tokens of the drafter's recent chains, at the positions they

@@ -143,6 +143,25 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
     return best, best_rate
 
 
+def slowest_share(gain: list[float], worth: list[float]) -> float:
+    """The share of its rows' mean expected gain per step by which a run with no queue ends
+    sooner. Such a run ends with its slowest row, so a step moves the end by what that row
+    gains, and rows gain at different rates for long stretches (one keeps copying, another
+    writes new text). Each row is taken to end the run with chance its worth (see
+    LLM._worth), independently: the expected gain of the slowest is the worth-weighted
+    minimum, rows ranked from the least gain up."""
+    rows = sorted((g, w) for g, w in zip(gain, worth) if w > 0)
+    if not rows:
+        return 1.0
+    mean = sum(g * w for g, w in rows) / sum(w for _, w in rows)
+    least, still = 0.0, 1.0  # still: the chance no lower-ranked row ends the run
+    for g, w in rows:
+        least += still * w * g
+        still *= 1.0 - w
+    least /= 1.0 - still  # given that some row ends the run
+    return least / mean if mean > 0 else 1.0
+
+
 def longest_admitted(chains: list[list[float]], budget: int) -> int:
     """The longest chain `admit_top` takes over the host's survivals `chains` (ragged lists,
     padded with zeros): the host sizes the step's widest chain by the device's own rule."""

@@ -539,3 +539,20 @@ def test_the_plan_values_a_budget_only_by_the_pairs_its_step_can_verify(monkeypa
     for n, pairs, budgets in seen:
         widths = {E.chain_width(K, B, n) for B in budgets}
         assert len(widths) == 1 and pairs <= n * widths.pop()
+
+
+def test_with_no_request_waiting_a_row_that_never_copies_holds_back_every_rows_drafts(monkeypatch):
+    """With nothing queued the run ends with its slowest row: while one row's chains promise
+    nothing, copies for the others only idle them sooner, so the plan verifies none. With a
+    request waiting every copied token counts, and when both rows copy both gain."""
+    from types import SimpleNamespace
+
+    llm = tiny_llm("ngram", max_batch_size=2)
+    K = llm.engine.K
+    llm._slots = [SimpleNamespace(known_len=10), SimpleNamespace(known_len=10)]
+    monkeypatch.setattr(llm, "_worth", lambda rows, queued: [1.0, 1.0])
+    copy, novel = ([0.9] * K, [0.0] * K), ([0.0] * K, [0.0] * K)
+    assert llm._plan(2, [copy, novel], queued=False).budget == 0
+    assert llm._plan(2, [copy, novel], queued=True).budget > 0
+    llm._gain = [None, None]  # both rows' requests start anew
+    assert llm._plan(2, [copy, copy], queued=False).budget > 0

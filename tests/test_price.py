@@ -313,3 +313,15 @@ def test_trust_scales_each_token_so_an_error_compounds_along_the_chain():
                                                                              [0.45, 0.2025, 0.0, 0.0]]))
     # a pessimistic estimate is raised, but no token beyond certain; chains still end where they did
     assert trusted(a, torch.tensor(4.0)).tolist() == [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+
+
+def test_a_run_with_no_queue_moves_by_what_its_slowest_row_gains():
+    from minispark.price import slowest_share
+
+    assert slowest_share([3.0, 3.0, 3.0], [1.0, 1.0, 1.0]) == 1.0  # every row gains alike
+    assert slowest_share([4.0], [1.0]) == 1.0  # one row is its own slowest
+    assert slowest_share([0.0, 4.0], [1.0, 1.0]) == 0.0  # one row never copies: copies elsewhere buy nothing
+    assert slowest_share([0.0, 4.0], [0.0, 1.0]) == 1.0  # ... unless it will be done in time anyway
+    # the row gaining 1 ends the run half the time, the one gaining 3 otherwise: 2 of a mean of 7/3
+    assert slowest_share([1.0, 3.0], [0.5, 1.0]) == pytest.approx(2.0 / (3.5 / 1.5))
+    assert slowest_share([0.0, 0.0], [1.0, 1.0]) == 1.0  # nothing promised: nothing to scale
