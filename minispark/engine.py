@@ -208,7 +208,7 @@ class Engine:
         self.worth[:R].copy_(host, non_blocking=True)
 
     @torch.no_grad()
-    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool) -> StepOut:
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool, filtered: bool = True) -> StepOut:
         """Run the prompts of newly admitted requests through the target in one packed forward
         and sample each one's first token, which becomes its anchor `next_tok`."""
         dev, R = self.device, len(slots)
@@ -227,7 +227,7 @@ class Engine:
         if self.spark:
             self.spark.write_context(hidden, b.slot, b.pos)
         lens = torch.tensor(lengths, device=dev)
-        first = self.sample(logits, slot_t, lens, sampling)
+        first = self.sample(logits, slot_t, lens, sampling, filtered)
         self.lens[slot_t], self.next_tok[slot_t] = lens, first
         self.n_gen[slot_t] = 0
         # The first token is emitted like any other: through the same commit rule.
@@ -247,27 +247,32 @@ class Engine:
     def feature_layers(self) -> tuple[int, ...]:
         return self.spark.args.target_layers if self.spark else ()
 
-    def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool) -> Tensor:
-        """The target's own token for each row of logits [N, V] (greedy unless `sampling`)."""
+    def sample(self, logits: Tensor, slot: Tensor, pos: Tensor, sampling: bool, filtered: bool = True) -> Tensor:
+        """The target's own token for each row of logits [N, V] (greedy unless `sampling`;
+        `filtered`: some row sets top-k or top-p)."""
         if not sampling:
             return logits.argmax(-1)
-        probs = verify.target_probs(logits, self.temperature[slot], self.top_k[slot], self.top_p[slot])
+        probs = verify.target_probs(logits, self.temperature[slot], self.top_k[slot], self.top_p[slot], filtered)
         return verify.bonus_tokens(probs, self.seed[slot], pos)
 
     # -- the decode step ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, R: int, budget: int, width: int, ctx: int, sampling: bool, spark_pass: bool = True) -> StepOut:
+    def step(self, R: int, budget: int, width: int, ctx: int, sampling: bool, spark_pass: bool = True,
+             filtered: bool = True) -> StepOut:
         width = min(width, self.K, budget)  # no chain is longer than the budget
-        return self._step(R, budget if width else 0, width, ctx, sampling, spark_pass and self.spark is not None)
+        return self._step(R, budget if width else 0, width, ctx, sampling, spark_pass and self.spark is not None,
+                          sampling and filtered)
 
-    def decode_step(self, R: int, budget: int, width: int, ctx: int, sampling: bool, spark_pass: bool) -> StepOut:
+    def decode_step(self, R: int, budget: int, width: int, ctx: int, sampling: bool, spark_pass: bool,
+                    filtered: bool) -> StepOut:
         """One decode step over slots [0, R): draft, allocate, pack, verify, accept, commit.
 
         R, budget (draft tokens verified, batch-wide), width (the longest chain), ctx (attended
-        cache prefix), sampling and spark_pass (whether Spark drafts this step) are chosen by
-        the host from what it already knows, so each combination is one static graph; nothing
-        here reads a tensor value on the host."""
+        cache prefix), sampling, spark_pass (whether Spark drafts this step) and filtered
+        (whether a sampled row sets top-k or top-p) are chosen by the host from what it already
+        knows, so each combination is one static graph; nothing here reads a tensor value on
+        the host."""
         d = self.draft(R, ctx, sampling, spark_pass)
         w = self.worth[:R, None]
         use_spark, _ = price.choose_chains(w * d.ngram_a[:, :width], w * d.spark_a[:, :width], budget)  # [R]
@@ -277,7 +282,7 @@ class Engine:
         batch = self.pack(R, chain, length, ctx, budget)
         logits, hidden = self.model(batch, hidden_layers=self.feature_layers())  # [T, V], [T, F, dim]
         q = None if d.spark_q is None else d.spark_q[:, :width]  # read only on rows that use Spark
-        out, n_out = self.accept(logits, batch, chain, q, use_spark, length, sampling)
+        out, n_out = self.accept(logits, batch, chain, q, use_spark, length, sampling, filtered)
         n_out = torch.where(self.active[:R], n_out, 0)
         n, finish = self.commit(R, out, n_out, self.non_finite(logits, batch, R))
         if self.spark:
@@ -354,7 +359,7 @@ class Engine:
         )
 
     def accept(self, logits: Tensor, b: Batch, draft: Tensor, q: Tensor | None, use_spark: Tensor, length: Tensor,
-               sampling: bool) -> tuple[Tensor, Tensor]:
+               sampling: bool, filtered: bool = True) -> tuple[Tensor, Tensor]:
         """Verify every packed position, then read each row's chain off the grid.
 
         Greedy: accept while the draft is the target's argmax. Sampling: a Spark token (drawn
@@ -365,7 +370,7 @@ class Engine:
         row = safe // Q
         draft_next = grid_draft.flatten()[safe]  # [T]
         if sampling:
-            probs = verify.target_probs(logits, self.temperature[row], self.top_k[row], self.top_p[row])
+            probs = verify.target_probs(logits, self.temperature[row], self.top_k[row], self.top_p[row], filtered)
             ok, alt = verify.accept_copies(probs, draft_next, self.seed[row], b.pos + 1)
             if q is not None:
                 # Past the verified length (the bonus position) q = 0: the token there is a plain
@@ -727,16 +732,16 @@ class LLM:
                 admitted.append(slot)
             if admitted:
                 out = eng.prefill(admitted, [slots[s].out.prompt_token_ids for s in admitted],
-                                  any(slots[s].params.temperature > 0 for s in admitted))
+                                  *randomness([slots[s].params for s in admitted]))
                 yield from self._absorb(out, [slots[s] for s in admitted], admitted, True, est, count_step=False)
             launched = None
             if any(slots):
                 R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
                 # A step still in flight (on a GPU) may add up to width + 1 tokens the host has not seen.
                 plan = self._plan(R, est, queued=bool(waiting), unseen=pending.plan.width + 1 if pending else 0)
-                sampling = any(r.params.temperature > 0 for r in slots[:R] if r)
+                sampling, filtered = randomness([r.params for r in slots[:R] if r])
                 with StepClock(eng.device) as clock:
-                    out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass)
+                    out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass, filtered)
                 launched = Launched(out, list(slots[:R]), plan, clock)
             # On a CPU the step is done when launch returns: reading it at once gives the next
             # plan estimates a step fresher.
@@ -982,6 +987,14 @@ def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark
         gib = 2**30
         raise ValueError(f"the KV cache for max_batch_size={S} x max_seq_len={L} needs {need / gib:.1f} GiB, "
                          f"but only {free / gib:.1f} GiB is free on {device}; lower max_seq_len or max_batch_size")
+
+
+def randomness(params: list[SamplingParams]) -> tuple[bool, bool]:
+    """Whether any of these requests samples, and whether any that samples sets top-k or top-p:
+    two static choices of a step's graph (a greedy step draws nothing, an unfiltered one sorts
+    nothing)."""
+    sampled = [p for p in params if p.temperature > 0]
+    return bool(sampled), any(p.top_k > 0 or p.top_p < 1 for p in sampled)
 
 
 def non_finite_logits(logits: Tensor) -> Tensor:

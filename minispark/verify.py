@@ -25,11 +25,13 @@ def _mix(x: Tensor) -> Tensor:
 
 
 def uniform(seed: Tensor, pos: Tensor, stream: int, vocab: int | None = None) -> Tensor:
-    """Uniforms in (0, 1): `[T]` or, with `vocab`, `[T, vocab]` (one per token id)."""
+    """Uniforms in (0, 1): `[T]` or, with `vocab`, `[T, vocab]` (one per token id). 23 bits, so
+    that the largest, 1 - 2**-24, is a float32 below 1: a uniform of exactly 1 would make its
+    token's exponential 0 and win the race (`sample`) whatever its probability, zero included."""
     h = _mix(_mix(_mix(seed) ^ pos) ^ stream)
     if vocab is not None:
         h = _mix(h[:, None] ^ torch.arange(vocab, device=h.device)[None, :])
-    return ((h >> 8).float() + 0.5) / float(1 << 24)
+    return ((h >> 9).float() + 0.5) / float(1 << 23)
 
 
 def uniform_block(seed: Tensor, lens: Tensor, g: int, vocab: int) -> Tensor:
@@ -40,22 +42,27 @@ def uniform_block(seed: Tensor, lens: Tensor, g: int, vocab: int) -> Tensor:
     return uniform(seed.repeat_interleave(g), pos, DRAFT_STREAM, vocab).view(R, g, vocab)
 
 
-def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool = True) -> Tensor:
     """The distribution every token is verified against: `[T, V]` probabilities after
     temperature, top-k (0 = off) and top-p (1 = off). Greedy rows (temperature 0) become the
-    argmax point mass, so sampling and verification treat them alike."""
+    argmax point mass, so sampling and verification treat them alike. `filtered=False` says no
+    row sets top-k or top-p (the host knows): the full-vocabulary sort they need is then skipped,
+    which is most of a sampled step's cost over a greedy one."""
     V = logits.shape[-1]
     greedy = temperature <= 0
     logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    probs_sorted = torch.where(rank < k, sorted_logits, float("-inf")).softmax(-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    mass_before = probs_sorted.cumsum(-1) - probs_sorted
-    probs_sorted = torch.where(mass_before < top_p[:, None], probs_sorted, 0.0)
-    probs = torch.zeros_like(probs_sorted).scatter(-1, order, probs_sorted)
-    probs = probs / probs.sum(-1, keepdim=True)
+    if filtered:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, V)[:, None]
+        probs_sorted = torch.where(rank < k, sorted_logits, float("-inf")).softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs_sorted.cumsum(-1) - probs_sorted
+        probs_sorted = torch.where(mass_before < top_p[:, None], probs_sorted, 0.0)
+        probs = torch.zeros_like(probs_sorted).scatter(-1, order, probs_sorted)
+        probs = probs / probs.sum(-1, keepdim=True)
+    else:
+        probs = logits.softmax(-1)
     point = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], point, probs)
 

@@ -170,7 +170,7 @@ def test_uniform_differs_across_inputs():
         uniform(base_seed, ar, ACCEPT_STREAM),  # across positions
         uniform(base_seed[:1], base_pos[:1], ACCEPT_STREAM, n)[0],  # across vocab entries
     ]:
-        # 24-bit resolution: a handful of birthday collisions at most.
+        # 23-bit resolution: a handful of birthday collisions at most.
         assert u.unique().numel() >= n - 4
     s, p = torch.arange(n) * 31 + 5, torch.arange(n) * 17
     a, b = uniform(s, p, ACCEPT_STREAM), uniform(s, p, SAMPLE_STREAM)
@@ -231,6 +231,27 @@ def test_sample_matches_distribution(probs):
     # Rows with different seeds (same position) also give the distribution.
     y = sample(P, uniform(torch.arange(N), torch.full((N,), 5), SAMPLE_STREAM, 8))
     assert chi2_p(torch.bincount(y, minlength=8), p) > P_MIN
+
+
+def test_the_race_never_picks_a_token_without_mass():
+    """At seed 0, position 52, token 24,186 of a 49,152-token vocabulary (SmolLM2's) the hash's
+    top 24 bits are all ones: with 24-bit uniforms that one rounded to exactly 1.0, its
+    exponential to 0, and a probability of 0 over it to NaN, which argmax takes. A greedy row
+    in a sampled batch (a point mass) then emitted token 24,186."""
+    V, seed, pos = 49_152, torch.tensor([0]), torch.tensor([52])
+    assert uniform(seed, pos, SAMPLE_STREAM, V).max() < 1
+    point = torch.zeros(1, V)
+    point[0, 7] = 1.0
+    assert bonus_tokens(point, seed, pos).item() == 7
+
+
+def test_unfiltered_probs_skip_the_sort_and_agree_with_it():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    t = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 0.0])
+    off_k, off_p = torch.zeros(6, dtype=torch.long), torch.ones(6)
+    torch.testing.assert_close(target_probs(logits, t, off_k, off_p, filtered=False),
+                               target_probs(logits, t, off_k, off_p, filtered=True))
 
 
 # -- (d) losslessness of accept_tokens --------------------------------------------------------
