@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import FeedForward, ModelArgs, RMSNorm, apply_rope, rope_frequencies
+from .verify import sample
 
 
 @dataclass
@@ -265,7 +266,7 @@ class SparkDrafter(nn.Module):
             else:
                 greedy = temperature <= 0
                 q = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
-                d = torch.where(greedy, logits.argmax(-1), (q / -torch.log(u[:, k])).argmax(-1))
+                d = torch.where(greedy, logits.argmax(-1), sample(q, u[:, k]))
                 extra.append(torch.where(greedy[:, None], F.one_hot(d, q.shape[-1]).to(q.dtype), q))
             prev = self.d2t[d]
             toks.append(prev)
