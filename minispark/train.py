@@ -81,6 +81,18 @@ TEMPLATES = (
     "Compare {t} and {u}.",
     "Write a friendly email to a colleague about {t}.",
     "List common misconceptions about {t} and correct them.",
+    # The kinds of request a chat benchmark asks (role play, persuasion, reasoning, extraction),
+    # so the drafter sees the target's voice in each, not only explanations.
+    "Imagine you are an expert on {t}. Answer a curious visitor's questions in character.",
+    "Write a persuasive speech arguing that everyone should learn about {t}.",
+    "Compose an engaging blog post about a weekend spent exploring {t}.",
+    "Draft a professional memo proposing a new project about {t}, with a timeline.",
+    "Create a short quiz with answers about {t}.",
+    "Write a word problem about {t} that needs arithmetic, then solve it step by step.",
+    "Pose a logic puzzle set in the world of {t}, then reason through its solution.",
+    "Write a short paragraph about {t}, then extract its key facts as a JSON object.",
+    "Describe a day in the life of someone whose job involves {t}.",
+    "Rewrite this sentence to be more formal, then more playful: '{t} is really something.'",
 )
 
 
@@ -432,8 +444,9 @@ def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int 
             "conf_logit": conf[full], "alive": acc}
 
 
-def stage_fit(out: Path, r: Recipe, minutes: float) -> None:
-    """Train from `out/ckpt.pt` (or from scratch) for `minutes` more (or `r.max_steps`), keeping
+def stage_fit(out: Path, r: Recipe, minutes: float, init: Path | None = None) -> None:
+    """Train from `out/ckpt.pt` (else from the drafter folder `init`, else from scratch) for
+    `minutes` more (or `r.max_steps`), keeping
     the drafter with the most held-out accepted tokens per step in `out/best.pt`. The learning
     rate warms up, then decays over each run's minutes, so a resumed run anneals again."""
     from rich.progress import Progress
@@ -442,8 +455,7 @@ def stage_fit(out: Path, r: Recipe, minutes: float) -> None:
     train, held = load_corpus(out)
     ckpt_path = out / "ckpt.pt"
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    d = new_drafter(target, train, r) if ckpt is None else _drafter_from(ckpt).to(r.device)
-    d.attach(target)
+    d = starting_drafter(target, train, r, ckpt, init).attach(target)
     print(f"{len(train)} training documents ({len(train.ids):,} tokens), {len(held)} held out; the draft "
           f"vocabulary covers {(d.t2d.cpu()[train.ids] < d.args.draft_vocab).float().mean():.1%} of training tokens")
     params = [p for p in d.parameters() if p.requires_grad]
@@ -489,6 +501,21 @@ def stage_fit(out: Path, r: Recipe, minutes: float) -> None:
                 if score > best or not (out / "best.pt").exists():
                     best = max(best, score)
                     torch.save(state, out / "best.pt")
+
+
+def starting_drafter(target, train: Corpus, r: Recipe, ckpt: dict | None, init: Path | None):
+    """The run's checkpoint if it has one; else the drafter in folder `init`, going on from its
+    weights with its calibration undone (the confidences train raw, calibrate refits them); else
+    a new drafter."""
+    if ckpt is not None:
+        return _drafter_from(ckpt).to(r.device)
+    if init is not None:
+        from .weights import load_drafter
+
+        d = load_drafter(init, target.args, torch.float32, r.device)
+        d.conf_temp.fill_(1.0)
+        return d
+    return new_drafter(target, train, r)
 
 
 def _drafter_from(ckpt: dict):
@@ -709,20 +736,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kinds", default="text,answer", help="documents for the features stage")
     ap.add_argument("--minutes", type=float, default=20.0, help="time for the data stage and for the fit stage")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="fit: start from this drafter folder (e.g. the shipped one) when --out has no checkpoint")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     r = Recipe(model=args.model, device=args.device)
-    run(args.stage, args.out, args.dest, r, args.minutes, tuple(args.kinds.split(",")))
+    run(args.stage, args.out, args.dest, r, args.minutes, tuple(args.kinds.split(",")), args.init)
 
 
-def run(stage: str, out: Path, dest: Path, r: Recipe, minutes: float, kinds: tuple[str, ...] = ("text", "answer")) -> None:
+def run(stage: str, out: Path, dest: Path, r: Recipe, minutes: float, kinds: tuple[str, ...] = ("text", "answer"),
+        init: Path | None = None) -> None:
     """One stage, or all of them in order."""
     if stage in ("data", "all"):
         stage_data(out, r, minutes)
     if stage in ("features", "all"):
         stage_features(out, r, kinds)
     if stage in ("fit", "all"):
-        stage_fit(out, r, minutes)
+        stage_fit(out, r, minutes, init)
     if stage in ("calibrate", "all"):
         stage_calibrate(out, dest, r)
     if stage in ("ngram", "all"):

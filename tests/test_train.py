@@ -90,6 +90,27 @@ def test_training_steps_lower_the_loss():
     assert sum(tv[-10:]) < sum(tv[:10])
 
 
+def test_a_run_can_go_on_from_a_shipped_drafter_with_its_calibration_undone(tmp_path):
+    from minispark.weights import save_drafter
+
+    net, corpus, _ = tiny_corpus()
+    r = train.Recipe(draft_vocab=64, block=4, rank=16, layers=(0, 2))
+    shipped = train.new_drafter(net, corpus, r)
+    torch.nn.init.normal_(shipped.markov_in.weight, std=0.5)  # unlike any new drafter
+    shipped.conf_temp.fill_(3.0)
+    save_drafter(tmp_path, shipped, net.args)
+    d = train.starting_drafter(net, corpus, r, None, tmp_path)
+    for name, t in shipped.state_dict().items():
+        if name != "conf_temp":
+            assert torch.equal(d.state_dict()[name].float(), t.to(torch.bfloat16).float()), name
+    assert (d.conf_temp == 1).all()
+    fresh = train.starting_drafter(net, corpus, r, None, None)
+    assert not torch.equal(fresh.markov_in.weight, d.markov_in.weight)
+    ckpt = {"args": d.args.__dict__, "model": fresh.state_dict()}
+    assert torch.equal(train.starting_drafter(net, corpus, r, ckpt, tmp_path).markov_in.weight,
+                       fresh.markov_in.weight)  # the run's own checkpoint comes first
+
+
 def test_sequential_temperatures_fix_overconfidence():
     g = torch.Generator().manual_seed(0)
     true_logit = torch.randn(4000, 5, generator=g)
