@@ -227,13 +227,15 @@ TOPK = 16  # the teacher's distribution is kept as its top-k tokens (most of its
 
 def documents(out: Path, kind: str, tokenizer, max_text_tokens: int, max_len: int = 1024) -> list[dict]:
     """Training documents as token ids, each with a stable held-out flag: "answer" = chat
-    transcripts (prompt + the target's answer), "text" = reading texts."""
+    transcripts (prompt + the target's answer, `start` = where the answer begins), "text" =
+    reading texts."""
     docs = []
     if kind == "answer":
         for line in (out / "answers.jsonl").open():
             r = json.loads(line)
-            ids = tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}]) + r["answer_ids"]
-            docs.append({"ids": ids[:max_len], "held_out": is_held_out(r["prompt"])})
+            prompt = tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}])
+            docs.append({"ids": (prompt + r["answer_ids"])[:max_len], "held_out": is_held_out(r["prompt"]),
+                         "start": len(prompt)})
         return docs
     budget = max_text_tokens
     for line in (out / "text.jsonl").open():
@@ -285,8 +287,10 @@ def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = ("text", "answ
                     continue
                 for old in done:  # a partial shard of an earlier run, now complete
                     old.unlink()
-                rows = [dict(doc_features(model, d["ids"], r.layers), held_out=d["held_out"], kind=kind)
-                        for d in shard]
+                # Held-out scores and calibration anchor blocks in answers only (`start`), as the
+                # MT-Bench evaluation does: the fixed chat template is easy text no answer holds.
+                rows = [dict(doc_features(model, d["ids"], r.layers), held_out=d["held_out"], kind=kind,
+                             start=d.get("start", 1)) for d in shard]
                 torch.save(rows, f.with_suffix(".tmp"))
                 f.with_suffix(".tmp").rename(f)
                 bar.advance(task, sum(len(d["ids"]) for d in shard))

@@ -148,6 +148,19 @@ def test_anchors_start_where_a_document_says():
     assert default[0].min() == 1
 
 
+def test_answer_documents_start_their_anchors_at_the_answer(tmp_path):
+    import json
+
+    from minispark.tokenizer import Tokenizer
+    from minispark.weights import default_model
+
+    tok = Tokenizer.from_path(default_model())
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "Name a colour.", "answer_ids": [11, 12, 13]}) + "\n")
+    [doc] = train.documents(tmp_path, "answer", tok, 0)
+    assert doc["ids"][doc["start"]:] == [11, 12, 13]
+    assert doc["ids"][: doc["start"]] == tok.encode_chat([{"role": "user", "content": "Name a colour."}])
+
+
 def test_the_mt_bench_evaluation_reports_acceptance_and_calibration(toy_drafter):
     report = train.stage_eval(toy_drafter, train.Recipe(), prompts=3, max_tokens=24)
     g = len(report["slot_acceptance"])
