@@ -450,9 +450,9 @@ def evaluate(d, corpus: Corpus, n_docs: int = 200, anchors: int = 16, seed: int 
 
 def stage_fit(out: Path, r: Recipe, minutes: float, init: Path | None = None) -> None:
     """Train from `out/ckpt.pt` (else from the drafter folder `init`, else from scratch) for
-    `minutes` more (or `r.max_steps`), keeping
-    the drafter with the most held-out accepted tokens per step in `out/best.pt`. The learning
-    rate warms up, then decays over each run's minutes, so a resumed run anneals again."""
+    `minutes` more (or `r.max_steps`), keeping the drafter with the most held-out accepted tokens
+    per step in `out/best.pt`. The learning rate warms up, then decays over each run's minutes,
+    so a resumed run anneals again."""
     from rich.progress import Progress
 
     target, _ = r.target(torch.float32 if r.device == "cpu" else torch.bfloat16)
