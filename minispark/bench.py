@@ -58,13 +58,19 @@ def load_weights(path: str | None):
     return path, args, hf_sd
 
 
+def spec_of(mode: str) -> str:
+    """The spec mode behind a bench mode: "spark-fixed" is spark verifying its whole block on
+    every step (no adaptive budget)."""
+    return mode.removesuffix("-fixed")
+
+
 def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int, temperature: float,
                   max_seq_len: int, drafter: Path | None, compile: bool = False) -> LLM:
     """An LLM for one mode, profiled and warmed up. The LLMs of one table row share the model
     and its KV cache (the same batch and length): each `generate` starts from empty slots and
     its prefill writes the cache it reads, so they may take turns."""
-    llm = LLM.from_model(net, tok, spec=mode, max_batch_size=batch, max_seq_len=max_seq_len, drafter=drafter,
-                         compile=compile)
+    llm = LLM.from_model(net, tok, spec=spec_of(mode), max_batch_size=batch, max_seq_len=max_seq_len,
+                         drafter=drafter, compile=compile, adaptive=not mode.endswith("-fixed"))
     llm.generate([warm_up], SamplingParams(temperature=temperature, max_tokens=4))
     return llm
 
@@ -168,7 +174,7 @@ def render(results: list[Result], baseline: str) -> str:
     systems = list(dict.fromkeys(r.system for r in results))
     cells = {(r.workload, r.batch, r.system): r for r in results}
     head = ["workload", "batch"] + [f"{s} tok/s" for s in systems] + [f"{s} / {baseline}" for s in systems if s != baseline]
-    head += [f"{s} tok/step" for s in systems if s in SPEC_MODES and s != "off"]
+    head += [f"{s} tok/step" for s in systems if spec_of(s) in SPEC_MODES and s != "off"]
     head += ["hybrid n-gram chains"] if "hybrid" in systems else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w, b in dict.fromkeys((r.workload, r.batch) for r in results):
@@ -177,7 +183,7 @@ def render(results: list[Result], baseline: str) -> str:
         row += [f"{cells[w, b, s].tok_s / base.tok_s:.2f}x" if base and (w, b, s) in cells else ""
                 for s in systems if s != baseline]
         row += [f"{cells[w, b, s].per_step:.2f}" if (w, b, s) in cells else ""
-                for s in systems if s in SPEC_MODES and s != "off"]
+                for s in systems if spec_of(s) in SPEC_MODES and s != "off"]
         if "hybrid" in systems:
             ch = cells[w, b, "hybrid"].chains if (w, b, "hybrid") in cells else None
             row.append(f"{ch['ngram'] / max(ch['ngram'] + ch['spark'], 1):.0%}" if ch else "")
@@ -244,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the demo model)")
     ap.add_argument("--drafter", default=None, help="drafter folder for spark/hybrid (default: the demo model's)")
-    ap.add_argument("--modes", default="off,ngram,spark,hybrid", help=f"comma-separated spec modes: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--modes", default="off,ngram,spark,hybrid", help=f"comma-separated spec modes: "
+                    f"{', '.join(SPEC_MODES)}; MODE-fixed verifies whole chains on every step (spark-fixed: a "
+                    f"fixed block of g), the baseline of adaptive verification")
     ap.add_argument("--peers", default="hf", help="comma-separated peers: hf, hf-pld (or none)")
     ap.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
@@ -273,8 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        if m not in SPEC_MODES:
-            ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}")
+        if spec_of(m) not in SPEC_MODES:
+            ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}, or one of them with -fixed")
     peers = [p for p in a.peers.split(",") if p and p != "none"]
     batches = [int(b) for b in a.batch.split(",")]
     workloads = [w for w in a.workloads.split(",") if w]

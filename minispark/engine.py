@@ -538,7 +538,8 @@ class LLM:
     def __init__(self, model: str | None = None, spec: str | None = None, max_batch_size: int = 8,
                  max_seq_len: int = 4096, dtype: str | torch.dtype = "auto", device: str | None = None,
                  seed: int = 0, ngram_k: int = 32, draft_budget: int = 64, compile: bool | None = None,
-                 cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None):
+                 cost: price.CostModel | None = None, trace: str | None = None, drafter: str | None = None,
+                 adaptive: bool = True):
         """model: a checkpoint folder or .gguf (None = the demo model). spec: "off", "ngram",
         "spark" or "hybrid" (None = hybrid where a drafter exists, else ngram). dtype: "auto"
         (bfloat16 where the hardware computes in it, else float32) or a dtype's name. drafter: a folder
@@ -547,7 +548,8 @@ class LLM:
         per step, batch-wide; compile: torch.compile the decode step (None = on CUDA only; eager
         is faster to start on a CPU); cost: a step-time table (profiled on this device at
         start-up when None); trace: a file that gets one JSON line per step (each slot's chain,
-        estimates, verified and accepted)."""
+        estimates, verified and accepted); adaptive: False verifies every row's whole chain on
+        every step (Spark's full block of g), the fixed baseline of adaptive verification."""
         if spec is not None:
             check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -566,14 +568,15 @@ class LLM:
         spark, table = load_drafters(spec, drafter, net)
         engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, spark=spark, ngram_table=table,
                         draft_budget=draft_budget, compile=compile)
-        self._setup(engine, Tokenizer.from_path(path), seed, cost, trace)
+        self._setup(engine, Tokenizer.from_path(path), seed, cost, trace, adaptive)
         self.drafter = drafter  # the folder, so that a mode switch can reload it
 
     @classmethod
     def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
                    max_seq_len: int = 4096, seed: int = 0, ngram_k: int = 32, draft_budget: int = 64,
                    compile: bool = False, cost: price.CostModel | None = None, trace: str | None = None,
-                   drafter: SparkDrafter | str | None = None, ngram_table: Tensor | None = None) -> "LLM":
+                   drafter: SparkDrafter | str | None = None, ngram_table: Tensor | None = None,
+                   adaptive: bool = True) -> "LLM":
         """An LLM around an already built model and tokenizer (tests use tiny random models).
         The model's KV cache is re-allocated: one LLM per model at a time."""
         check_spec(spec)
@@ -586,17 +589,18 @@ class LLM:
             spark = None
         engine = Engine(net, spec, max_batch_size, max_seq_len, ngram_k=ngram_k, spark=spark,
                         ngram_table=ngram_table, draft_budget=draft_budget, compile=compile)
-        self._setup(engine, tokenizer, seed, cost, trace)
+        self._setup(engine, tokenizer, seed, cost, trace, adaptive)
         self.drafter = drafter
         return self
 
     def _setup(self, engine: Engine, tokenizer: Tokenizer, seed: int, cost: price.CostModel | None,
-               trace: str | None) -> None:
-        self.engine, self.tokenizer, self.seed = engine, tokenizer, seed
+               trace: str | None, adaptive: bool = True) -> None:
+        self.engine, self.tokenizer, self.seed, self.adaptive = engine, tokenizer, seed, adaptive
         self._trace = open(trace, "w") if trace else None
         self._step_no = 0
         self._budgets = [b for b in BUDGETS if b <= engine.draft_budget]
-        self.cost = cost or (engine.profile(self._budgets) if engine.K else None)
+        # Only the adaptive plan weighs step times; the fixed baseline verifies everything anyway.
+        self.cost = cost or (engine.profile(self._budgets) if engine.K and adaptive else None)
         # A profiled table goes on learning from the steps as they run; a given one is kept as is.
         self._learn_cost = cost is None and self.cost is not None
         self._overlap = engine.device.type == "cuda"
@@ -779,7 +783,10 @@ class LLM:
         rows = [i for i, r in enumerate(self._slots[:R]) if r]
         budget = width = 0
         spark_pass = False
-        if eng.K:
+        if eng.K and not self.adaptive:  # the fixed baseline: every row verifies its whole chain
+            eng.set_worth(dict.fromkeys(rows, 1.0), R)
+            budget, width, spark_pass = R * eng.K, eng.K, eng.spark is not None
+        elif eng.K:
             worth = self._worth(rows, queued)
             eng.set_worth(dict(zip(rows, worth)), R)
             rate = -1.0

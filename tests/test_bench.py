@@ -39,12 +39,13 @@ def test_systems_take_turns_on_parts_and_each_sees_every_prompt_once():
 
 def test_the_command_writes_a_table_with_ratios(tmp_path):
     out = tmp_path / "t.md"
-    bench.main(["--modes", "off,ngram", "--peers", "none", "--workloads", "code", "--batch", "1", "--n", "2",
+    bench.main(["--modes", "off,ngram-fixed", "--peers", "none", "--workloads", "code", "--batch", "1", "--n", "2",
                 "--max-tokens", "8", "--rounds", "2", "--dtype", "float32", "--out", str(out)])
     lines = out.read_text().splitlines()
     assert "float32" in lines[0] and "2 prompts, answers of at most 8 (code) tokens" in lines[0]
     head, row = lines[2], lines[4]
-    assert "off tok/s" in head and "ngram / off" in head and "ngram tok/step" in head
+    # ngram-fixed: n-gram chains verified whole on every step, the baseline of adaptive verification
+    assert "off tok/s" in head and "ngram-fixed / off" in head and "ngram-fixed tok/step" in head
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["code", "1"] and float(cells[2]) > 0 and cells[4].endswith("x")
 

@@ -456,6 +456,34 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
     assert llm._trust("spark") < 0.5
 
 
+def test_the_fixed_baseline_verifies_every_whole_block(tmp_path):
+    """adaptive=False, the baseline adaptive verification is measured against: a drafter that is
+    always wrong, which the adaptive plan stops paying for (above), still has its whole block
+    verified for every row on every step, and the output is still the target's."""
+    import json
+
+    from conftest import ByteTokenizer, bigram_drafter, tiny_pair
+
+    _, net = tiny_pair(0, vocab_size=64)
+    d = bigram_drafter(net)
+    with torch.no_grad():
+        d.conf.weight.zero_()
+        d.conf.bias.fill_(20.0)
+        d.markov_out.weight.zero_()
+        d.markov_out.weight[0] = 1e3
+    path = tmp_path / "trace.jsonl"
+    llm = LLM.from_model(net, ByteTokenizer(), spec="spark", max_batch_size=2, max_seq_len=128,
+                         cost=CostModel([1, 1025], [1.0, 1.5], spark=0.5), drafter=d, trace=str(path),
+                         adaptive=False)
+    prompts = [[5, 9, 17, 33, 4], [7, 7, 8]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert [o.token_ids for o in outs] == [reference_greedy(llm, p, 24) for p in prompts]
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    slots = [slot for s in steps for slot in s["slots"]]
+    assert all(s["spark_pass"] for s in steps) and len(slots) >= 2 * 20
+    assert all(slot["verified"] == d.args.block for slot in slots)
+
+
 def test_auto_dtype_follows_the_hardware(monkeypatch):
     from minispark import engine
 
