@@ -4,8 +4,9 @@
     python -m minispark.train data|features|fit|calibrate|ngram --out runs/spark
 
 Stages (each resumable, each reading the previous one's files in `--out`; sizes in `Recipe`):
-  data       prompts on many topics, answered greedily by the target itself, plus text it reads
-             (the Python standard library's source and pydoc topics): answers.jsonl, text.jsonl
+  data       prompts on many topics and requests the target writes itself, answered greedily by
+             the target, plus text it reads (the Python standard library's source and pydoc
+             topics): questions.jsonl, answers.jsonl, text.jsonl
   features   one target pass over every document: the hidden states of the drafter's layers and
              the target's top-k next-token distribution (the teacher): features/*.pt
   fit        trains the drafter (0.1 CE + 0.9 TV + BCE(conf, 1 - TV), decaying position weights)
@@ -45,6 +46,8 @@ class Recipe:
     batch: int = 24  # answers generated at once
     max_tokens: int = 320  # per answer
     max_prompts: int | None = None
+    questions: int = 2000  # requests the target writes itself, answered beside the templates'
+    question_tokens: int = 160  # per completion of the request list
     text_tokens: int = 250_000  # of reading text to featurise
     draft_vocab: int = 8192
     block: int = 7
@@ -186,9 +189,85 @@ def reading_texts(max_chars: int = 2000) -> list[str]:
     return pieces
 
 
+# A few-shot list the target continues with requests of its own: a 135M model asked outright
+# ("write a question about X") answers the instruction instead, but it continues a list. Its
+# requests are often odd; what the drafter needs is the target's voice answering many kinds of
+# request, phrased in ways no template is.
+QUESTION_EXAMPLES = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Pretend you are a tour guide in ancient Rome and describe the Colosseum to a group of visitors.",
+    "A train travels 180 km at 60 km/h. How long does the trip take? Show your steps.",
+    "Explain why the sky is blue in simple terms.",
+    "Draft an email to my landlord asking him to fix the heating.",
+    "What were the main causes of the French Revolution?",
+    "Give me advice on preparing for a job interview.",
+    "Summarize the plot of a famous novel in three sentences.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "List the planets of the solar system and one fact about each.",
+)
+
+
+def question_prompt(topic: str, rng: random.Random) -> str:
+    examples = "".join(f"- {e}\n" for e in rng.sample(QUESTION_EXAMPLES, 6))
+    return f"Requests about {topic} that users sent to an AI assistant, one per line:\n{examples}- "
+
+
+# Three in four lines the target writes are statements ("I cheated 3 times."), not requests.
+REQUEST_VERBS = set("""act analyze build calculate choose compare compose convert create describe design
+    develop discuss draft evaluate explain find generate give help identify imagine implement list
+    make name outline plan prepare pretend propose provide recommend rewrite share show solve suggest
+    summarize tell translate write""".split())
+
+
+def parse_questions(text: str) -> list[str]:
+    """The requests in a continuation of `question_prompt` (lines that ask something, or
+    instructions that start with a verb), up to the first line off the list."""
+    out = []
+    for i, line in enumerate(text.split("\n")):
+        if i and not line.startswith("- "):
+            break
+        q = line.removeprefix("- ").strip()
+        if 15 <= len(q) <= 400 and ("?" in q or q.endswith(".") and q.split()[0].lower() in REQUEST_VERBS):
+            out.append(q)
+    return out
+
+
+def self_written_questions(out: Path, llm, r: Recipe, deadline: float) -> list[str]:
+    """Up to `r.questions` distinct requests written by the target (sampled, one seed per
+    completion), in rounds appended to questions.jsonl so a later run goes on."""
+    from rich.progress import Progress
+
+    from .engine import SamplingParams
+
+    path = out / "questions.jsonl"
+    rows = [json.loads(line) for line in path.open()] if path.exists() else []
+    seen = {row["question"] for row in rows} | set(QUESTION_EXAMPLES)
+    topics = [t for t in (DATA / "topics.txt").read_text().splitlines() if t.strip()]
+    n, k = len(rows), 1 + max((row["round"] for row in rows), default=-1)
+    with Progress() as bar, path.open("a") as f:
+        task = bar.add_task("self-written requests", total=r.questions, completed=n)
+        while n < r.questions and (k == 0 or time.time() < deadline):
+            rng = random.Random(k)
+            prompts = [question_prompt(rng.choice(topics), rng) for _ in range(4 * r.batch)]
+            params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=r.question_tokens,
+                                     seed=1000 * k + i)
+                      for i in range(len(prompts))]
+            for o in llm.generate(prompts, params):
+                for q in parse_questions(o.text):
+                    if q not in seen and n < r.questions:
+                        seen.add(q)
+                        f.write(json.dumps({"round": k, "question": q}) + "\n")
+                        n += 1
+            f.flush()
+            bar.update(task, completed=n)
+            k += 1
+    return [json.loads(line)["question"] for line in path.open()]
+
+
 def stage_data(out: Path, r: Recipe, minutes: float) -> None:
-    """Answers of the target to the training prompts, appended to answers.jsonl until the time
-    is up (a later run goes on where this one stopped); and the reading texts."""
+    """Requests the target writes itself, then its answers to them and to the templated
+    prompts, appended to answers.jsonl until the time is up (a later run goes on where this one
+    stopped); and the reading texts."""
     from rich.progress import Progress
 
     from .engine import LLM, SamplingParams
@@ -197,27 +276,30 @@ def stage_data(out: Path, r: Recipe, minutes: float) -> None:
     texts = out / "text.jsonl"
     if not texts.exists():
         texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in reading_texts()))
+    # spec="off": on chat, speculation gains little at large batch sizes.
+    llm = LLM(r.model, spec="off", max_batch_size=r.batch, max_seq_len=1024, device=r.device)
+    start = time.time()
+    questions = self_written_questions(out, llm, r, start + 15 * minutes)  # a quarter of the time at most
+    deadline = start + 60 * minutes
     answers = out / "answers.jsonl"
     done = {json.loads(line)["prompt"] for line in answers.open()} if answers.exists() else set()
-    todo = [p for p in training_prompts()[: r.max_prompts] if p not in done]
-    batch = r.batch
-    # spec="off": on chat, speculation gains little at large batch sizes.
-    llm = LLM(r.model, spec="off", max_batch_size=batch, max_seq_len=1024, device=r.device)
+    todo = [p for p in training_prompts()[: r.max_prompts] + questions if p not in done]
+    random.Random(len(done)).shuffle(todo)  # a run stopped early still has a varied share of everything
     params = SamplingParams(temperature=0, max_tokens=r.max_tokens)
-    deadline = time.time() + 60 * minutes
     with Progress() as bar, answers.open("a") as f:
         task = bar.add_task("target answers", total=len(todo) + len(done), completed=len(done))
-        for i in range(0, len(todo), 4 * batch):
-            if time.time() > deadline:
+        for i in range(0, len(todo), 4 * r.batch):
+            if i and time.time() > deadline:
                 break
-            chunk = todo[i: i + 4 * batch]
+            chunk = todo[i: i + 4 * r.batch]
             outs = llm.chat([[{"role": "user", "content": p}] for p in chunk], params)
             for p, o in zip(chunk, outs):
                 f.write(json.dumps({"prompt": p, "answer_ids": o.token_ids}) + "\n")
             f.flush()
             bar.advance(task, len(chunk))
     n = sum(1 for _ in answers.open())
-    print(f"{n} answers in {answers}, {sum(1 for _ in texts.open())} reading texts in {texts}")
+    print(f"{n} answers in {answers}, {len(questions)} self-written requests, "
+          f"{sum(1 for _ in texts.open())} reading texts in {texts}")
 
 
 # ----------------------------------------------------------------------------- stage: features
@@ -244,7 +326,7 @@ def documents(out: Path, kind: str, tokenizer, max_text_tokens: int, max_len: in
         t = json.loads(line)["text"]
         ids = tokenizer.encode(t)[:max_len]
         budget -= len(ids)
-        docs.append({"ids": ids, "held_out": is_held_out(t)})
+        docs.append({"ids": ids, "held_out": is_held_out(t), "start": 1})  # anchors anywhere after the first token
     return docs
 
 
@@ -290,7 +372,7 @@ def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = ("text", "answ
                 # Held-out scores and calibration anchor blocks in answers only (`start`), as the
                 # MT-Bench evaluation does: the fixed chat template is easy text no answer holds.
                 rows = [dict(doc_features(model, d["ids"], r.layers), held_out=d["held_out"], kind=kind,
-                             start=d.get("start", 1)) for d in shard]
+                             start=d["start"]) for d in shard]
                 torch.save(rows, f.with_suffix(".tmp"))
                 f.with_suffix(".tmp").rename(f)
                 bar.advance(task, sum(len(d["ids"]) for d in shard))
@@ -310,7 +392,8 @@ class Corpus:
         self.top_ids = torch.cat([r["top_ids"] for r in rows]).long()
         self.top_p = torch.cat([r["top_p"] for r in rows]).float()
         self.kind = [r["kind"] for r in rows]
-        self.start = torch.tensor([r.get("start", 1) for r in rows])  # the first position an anchor may take
+        # the first position an anchor may take (feature files from before `start` anchor anywhere)
+        self.start = torch.tensor([r.get("start", 1) for r in rows])
 
     def __len__(self) -> int:
         return len(self.lens)
@@ -325,7 +408,8 @@ class Corpus:
 
 
 def load_corpus(out: Path) -> tuple[Corpus, Corpus]:
-    rows = [r for f in sorted((out / "features").glob("*.pt")) for r in torch.load(f)]
+    # mmap: the corpus is then built without a second copy of every file in memory
+    rows = [r for f in sorted((out / "features").glob("*.pt")) for r in torch.load(f, mmap=True)]
     if not rows:
         raise SystemExit(f"no features in {out / 'features'}; run the features stage first")
     if not any(r["held_out"] and r["kind"] == "answer" for r in rows):  # tiny runs: hold out one answer
@@ -466,7 +550,8 @@ def stage_fit(out: Path, r: Recipe, minutes: float, init: Path | None = None) ->
     opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if ckpt is not None:
         opt.load_state_dict(ckpt["opt"])
-    best = ckpt["best"] if ckpt else 0.0
+    # The best score stands only against the same held-out documents: data added since moves them.
+    best = ckpt["best"] if ckpt and ckpt.get("held") == len(held) else 0.0
     step = ckpt["step"] if ckpt else 0
     first = step
     gen = torch.Generator().manual_seed(step)
@@ -500,7 +585,7 @@ def stage_fit(out: Path, r: Recipe, minutes: float, init: Path | None = None) ->
                     score = evaluate(d, held)["tokens_per_step"]
                 bar.console.print(f"step {step}: held-out accepted tokens per step {score:.3f}")
                 state = {"args": d.args.__dict__, "model": d.state_dict(), "opt": opt.state_dict(),
-                         "step": step, "best": max(best, score)}
+                         "step": step, "best": max(best, score), "held": len(held)}
                 torch.save(state, ckpt_path)
                 if score > best or not (out / "best.pt").exists():
                     best = max(best, score)

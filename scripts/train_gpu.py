@@ -20,8 +20,8 @@ from minispark.train import Recipe, run
 # minutes of each timed stage on a GPU; features, calibration and the table take about two more
 GPU_MINUTES = {"data": 3.0, "fit": 4.5}
 GPU = dict(batch=128, max_tokens=384, text_tokens=2_000_000, batch_docs=64, anchors=32, eval_every=500)
-TOY = dict(device="cpu", batch=4, max_tokens=12, max_prompts=8, text_tokens=3000, draft_vocab=2048,
-           batch_docs=2, anchors=4, width=64, eval_every=2, max_steps=4)
+TOY = dict(device="cpu", batch=4, max_tokens=12, max_prompts=8, questions=4, question_tokens=24, text_tokens=3000,
+           draft_vocab=2048, batch_docs=2, anchors=4, width=64, eval_every=2, max_steps=4)
 
 
 def main() -> None:

@@ -35,6 +35,17 @@ def test_the_recipe_writes_a_drafter_that_decodes_losslessly(toy_drafter):
     assert got == [o.token_ids for o in off.generate(prompts, params)]
 
 
+def test_the_data_stage_answers_requests_the_target_wrote_itself(toy_drafter):
+    import json
+
+    work = toy_drafter / "work"
+    questions = [json.loads(line)["question"] for line in (work / "questions.jsonl").open()]
+    prompts = {json.loads(line)["prompt"] for line in (work / "answers.jsonl").open()}
+    assert 0 < len(questions) <= 4  # the toy recipe asks for 4
+    assert all(train.parse_questions(q) == [q] for q in questions) and set(questions) <= prompts
+    assert len(prompts) == len(questions) + 8  # and the 8 templated prompts
+
+
 def test_a_damaged_or_foreign_drafter_is_refused_with_the_file_named(toy_drafter, tmp_path):
     import json
 
@@ -159,6 +170,16 @@ def test_answer_documents_start_their_anchors_at_the_answer(tmp_path):
     [doc] = train.documents(tmp_path, "answer", tok, 0)
     assert doc["ids"][doc["start"]:] == [11, 12, 13]
     assert doc["ids"][: doc["start"]] == tok.encode_chat([{"role": "user", "content": "Name a colour."}])
+
+
+def test_requests_the_target_writes_are_read_off_its_list_until_it_strays():
+    text = ("How do volcanoes form?\n- I cheated 3 times.\n- Write a poem about rain.\n- ok?\n"
+            "- Describe a day at the beach\n- Compare two sorting algorithms.\nThat is all.\n- Explain gravity.")
+    assert train.parse_questions(text) == ["How do volcanoes form?", "Write a poem about rain.",
+                                           "Compare two sorting algorithms."]
+    prompt = train.question_prompt("rivers", __import__("random").Random(0))
+    assert prompt.endswith("\n- ") and "about rivers" in prompt
+    assert all(train.parse_questions(e) == [e] for e in train.QUESTION_EXAMPLES)  # the examples pass the filter
 
 
 def test_the_mt_bench_evaluation_reports_acceptance_and_calibration(toy_drafter):
