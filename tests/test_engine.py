@@ -428,14 +428,9 @@ def test_the_spark_pass_runs_only_where_it_pays(tmp_path, spec):
     assert not any(dear[0]) and dear[1] == 0  # a pass that costs 1000 steps never does
 
 
-def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
-    """A Spark drafter that claims certainty (c = 1) but always drafts token 0: the host's
-    trust in its estimates falls with every rejected chain, and it soon stops paying for the
-    pass. Output stays the greedy one."""
-    import json
-
-    from conftest import ByteTokenizer, bigram_drafter, tiny_pair
-    from minispark.price import CostModel
+def certain_but_wrong_drafter():
+    """A tiny target and a Spark drafter that claims certainty (c = 1) but always drafts token 0."""
+    from conftest import bigram_drafter, tiny_pair
 
     _, net = tiny_pair(0, vocab_size=64)
     d = bigram_drafter(net)
@@ -444,6 +439,19 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
         d.conf.bias.fill_(20.0)
         d.markov_out.weight.zero_()
         d.markov_out.weight[0] = 1e3
+    return net, d
+
+
+def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
+    """A Spark drafter that claims certainty (c = 1) but always drafts token 0: the host's
+    trust in its estimates falls with every rejected chain, and it soon stops paying for the
+    pass. Output stays the greedy one."""
+    import json
+
+    from conftest import ByteTokenizer
+    from minispark.price import CostModel
+
+    net, d = certain_but_wrong_drafter()
     path = tmp_path / "trace.jsonl"
     llm = LLM.from_model(net, ByteTokenizer(), spec="spark", max_batch_size=1, max_seq_len=128,
                          cost=CostModel([1, 1025], [1.0, 1.5], spark=0.5), drafter=d, trace=str(path))
@@ -462,15 +470,9 @@ def test_the_fixed_baseline_verifies_every_whole_block(tmp_path):
     verified for every row on every step, and the output is still the target's."""
     import json
 
-    from conftest import ByteTokenizer, bigram_drafter, tiny_pair
+    from conftest import ByteTokenizer
 
-    _, net = tiny_pair(0, vocab_size=64)
-    d = bigram_drafter(net)
-    with torch.no_grad():
-        d.conf.weight.zero_()
-        d.conf.bias.fill_(20.0)
-        d.markov_out.weight.zero_()
-        d.markov_out.weight[0] = 1e3
+    net, d = certain_but_wrong_drafter()
     path = tmp_path / "trace.jsonl"
     llm = LLM.from_model(net, ByteTokenizer(), spec="spark", max_batch_size=2, max_seq_len=128,
                          cost=CostModel([1, 1025], [1.0, 1.5], spark=0.5), drafter=d, trace=str(path),
