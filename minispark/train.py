@@ -241,12 +241,13 @@ def self_written_questions(out: Path, llm, r: Recipe, deadline: float) -> list[s
 
     path = out / "questions.jsonl"
     rows = [json.loads(line) for line in path.open()] if path.exists() else []
-    seen = {row["question"] for row in rows} | set(QUESTION_EXAMPLES)
+    questions = [row["question"] for row in rows]
+    seen = set(questions) | set(QUESTION_EXAMPLES)
     topics = [t for t in (DATA / "topics.txt").read_text().splitlines() if t.strip()]
-    n, k = len(rows), 1 + max((row["round"] for row in rows), default=-1)
+    k = 1 + max((row["round"] for row in rows), default=-1)
     with Progress() as bar, path.open("a") as f:
-        task = bar.add_task("self-written requests", total=r.questions, completed=n)
-        while n < r.questions and (k == 0 or time.time() < deadline):
+        task = bar.add_task("self-written requests", total=r.questions, completed=len(questions))
+        while len(questions) < r.questions and (k == 0 or time.time() < deadline):
             rng = random.Random(k)
             prompts = [question_prompt(rng.choice(topics), rng) for _ in range(4 * r.batch)]
             params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=r.question_tokens,
@@ -254,14 +255,14 @@ def self_written_questions(out: Path, llm, r: Recipe, deadline: float) -> list[s
                       for i in range(len(prompts))]
             for o in llm.generate(prompts, params):
                 for q in parse_questions(o.text):
-                    if q not in seen and n < r.questions:
+                    if q not in seen and len(questions) < r.questions:
                         seen.add(q)
+                        questions.append(q)
                         f.write(json.dumps({"round": k, "question": q}) + "\n")
-                        n += 1
             f.flush()
-            bar.update(task, completed=n)
+            bar.update(task, completed=len(questions))
             k += 1
-    return [json.loads(line)["question"] for line in path.open()]
+    return questions
 
 
 def stage_data(out: Path, r: Recipe, minutes: float) -> None:
