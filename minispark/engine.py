@@ -512,6 +512,7 @@ class Launched(NamedTuple):
 
 TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per observed chain
 GAIN_DECAY = 0.9  # per step: a row's gain remembers its last ten or so chains
+SPARK_DECAY = 0.9  # per pass: the typical Spark chain remembers the last ten or so passes
 WORTH_HORIZON = 8  # tokens of margin over which a row that will be done in time loses its worth
 BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -613,6 +614,7 @@ class LLM:
         # starting from a prior of agreement: see `_trust`.
         self._seen = {k: [TRUST_PRIOR, TRUST_PRIOR] for k in SOURCES[:2]}
         self._gain: list[float | None] = [None] * engine.S  # per slot: see `_slowest_share`
+        self._spark_typical: list[float] | None = None  # see `_typical_spark`
 
     # -- public -------------------------------------------------------------------------------
 
@@ -865,6 +867,19 @@ class LLM:
         seen[0] = TRUST_DECAY * seen[0] + expected
         seen[1] = TRUST_DECAY * seen[1] + accepted
 
+    def _typical_spark(self, chains: list[list[float]]) -> None:
+        """Fold one pass's Spark survivals into the chain a slot can expect from its next pass
+        when this one is skipped (decayed over SPARK_DECAY passes). A skipped slot's own last
+        estimates belong to a context that has since moved on; kept, one low estimate would
+        skip every later pass of the slot, since only a pass renews them (measured on chat at
+        batch 1: one answer drafted nothing for its last 46 steps after a first-slot 0.12)."""
+        if not chains:
+            return
+        mean = torch.tensor(chains).mean(0).tolist()
+        last = self._spark_typical
+        self._spark_typical = mean if last is None else [SPARK_DECAY * x + (1 - SPARK_DECAY) * y
+                                                         for x, y in zip(last, mean)]
+
     def _absorb(self, out: StepOut, owners: list, rows: list[int], spark_pass: bool,
                 est: list[tuple[list[float], list[float]]], count_step: bool = True) -> Iterator[Delta]:
         """Read one step's results on the host and hand them to their requests."""
@@ -873,9 +888,11 @@ class LLM:
         ngram_a, spark_a = out.ngram_a.tolist(), out.spark_a.tolist()
         per_tok = price.per_token(out.survival).tolist()  # [R, K]: c_j of each verified chain
         ngram_seen = out.ngram_seen.tolist()
+        if spark_pass and count_step:  # a prefill's Spark estimates are a guess, not a pass
+            self._typical_spark([a for a, req in zip(spark_a, owners) if req is not None])
         for i, (req, slot) in enumerate(zip(owners, rows)):
-            # A skipped Spark pass leaves the slot's last Spark estimates standing.
-            est[slot] = (ngram_a[i], spark_a[i] if spark_pass else est[slot][1])
+            # Until a first pass has run, a skipped slot keeps the prefill's guess.
+            est[slot] = (ngram_a[i], spark_a[i] if spark_pass else self._spark_typical or est[slot][1])
             if count_step and req is not None and n[i] > 0:
                 if length[i] > 0:  # the positions reached: the accepted ones and the first rejected
                     self._observe(SOURCES[source[i]], sum(per_tok[i][: min(n_draft[i] + 1, length[i])]), n_draft[i])

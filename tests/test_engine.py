@@ -464,6 +464,38 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
     assert llm._trust("spark") < 0.5
 
 
+def test_a_skipped_spark_pass_is_not_skipped_for_good(tmp_path):
+    """One low estimate skips a slot's next Spark pass; the pass after is planned on the chain
+    Spark has typically drafted lately, not on that stale estimate, which only a pass could
+    renew. The drafter's first-slot confidence is near 0 after one token X and 0.95 after any
+    other; the second request's first token is X."""
+    import json
+
+    from conftest import ByteTokenizer, bigram_drafter, tiny_pair
+
+    _, net = tiny_pair(0, initializer_range=0.3, vocab_size=16)
+    d = bigram_drafter(net)
+    dim = net.args.dim
+    first, second = [5, 9, 3, 12], [7, 7, 8, 11, 2]
+    path = tmp_path / "trace.jsonl"
+    llm = LLM.from_model(net, ByteTokenizer(), spec="spark", max_batch_size=1, max_seq_len=128,
+                         cost=CostModel([1, 1025], [1.0, 1.5], spark=0.05), drafter=d, trace=str(path))
+    X = reference_greedy(llm, second, 1)[0]
+    assert reference_greedy(llm, first, 1)[0] != X
+    with torch.no_grad():
+        d.conf.weight.zero_()
+        d.conf.bias.fill_(3.0)
+        d.conf.weight[0, dim + X] = -30.0  # the Markov input of the token before is one-hot
+    outs = llm.generate([first, second], GREEDY)
+    assert [o.token_ids for o in outs] == [reference_greedy(llm, p, 24) for p in (first, second)]
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    of_second = [s["spark_pass"] for s in steps if s["slots"] and s["slots"][0]["request"] == outs[1].request_id]
+    # The first step drafts after X (on the prefill's even-odds guess); its near-0 estimate
+    # skips the second step's pass, and the steps after that plan on the typical chain.
+    assert of_second[0] and not of_second[1]
+    assert sum(of_second[2:]) >= len(of_second[2:]) // 2
+
+
 def test_the_fixed_baseline_verifies_every_whole_block(tmp_path):
     """adaptive=False, the baseline adaptive verification is measured against: a drafter that is
     always wrong, which the adaptive plan stops paying for (above), still has its whole block
