@@ -58,10 +58,10 @@ def load_weights(path: str | None):
     return path, args, hf_sd
 
 
-def spec_of(mode: str) -> tuple[str, bool]:
-    """The spec mode behind a bench mode and whether its budget is adaptive: "spark-fixed" is
-    spark verifying its whole block on every step."""
-    return mode.removesuffix("-fixed"), not mode.endswith("-fixed")
+def spec_of(mode: str) -> str:
+    """The spec mode behind a bench mode: "spark-fixed" is spark verifying its whole block on
+    every step (no adaptive budget); a mode that is its own spec is adaptive."""
+    return mode.removesuffix("-fixed")
 
 
 def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int, temperature: float,
@@ -69,9 +69,9 @@ def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int
     """An LLM for one mode, profiled and warmed up. The LLMs of one table row share the model
     and its KV cache (the same batch and length): each `generate` starts from empty slots and
     its prefill writes the cache it reads, so they may take turns."""
-    spec, adaptive = spec_of(mode)
+    spec = spec_of(mode)
     llm = LLM.from_model(net, tok, spec=spec, max_batch_size=batch, max_seq_len=max_seq_len,
-                         drafter=drafter, compile=compile, adaptive=adaptive)
+                         drafter=drafter, compile=compile, adaptive=spec == mode)
     llm.generate([warm_up], SamplingParams(temperature=temperature, max_tokens=4))
     return llm
 
@@ -175,7 +175,7 @@ def render(results: list[Result], baseline: str) -> str:
     systems = list(dict.fromkeys(r.system for r in results))
     cells = {(r.workload, r.batch, r.system): r for r in results}
     head = ["workload", "batch"] + [f"{s} tok/s" for s in systems] + [f"{s} / {baseline}" for s in systems if s != baseline]
-    head += [f"{s} tok/step" for s in systems if spec_of(s)[0] in SPEC_MODES and s != "off"]
+    head += [f"{s} tok/step" for s in systems if spec_of(s) in SPEC_MODES and s != "off"]
     head += ["hybrid n-gram chains"] if "hybrid" in systems else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w, b in dict.fromkeys((r.workload, r.batch) for r in results):
@@ -184,7 +184,7 @@ def render(results: list[Result], baseline: str) -> str:
         row += [f"{cells[w, b, s].tok_s / base.tok_s:.2f}x" if base and (w, b, s) in cells else ""
                 for s in systems if s != baseline]
         row += [f"{cells[w, b, s].per_step:.2f}" if (w, b, s) in cells else ""
-                for s in systems if spec_of(s)[0] in SPEC_MODES and s != "off"]
+                for s in systems if spec_of(s) in SPEC_MODES and s != "off"]
         if "hybrid" in systems:
             ch = cells[w, b, "hybrid"].chains if (w, b, "hybrid") in cells else None
             row.append(f"{ch['ngram'] / max(ch['ngram'] + ch['spark'], 1):.0%}" if ch else "")
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        if spec_of(m)[0] not in SPEC_MODES:
+        if spec_of(m) not in SPEC_MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}, or one of them with -fixed")
     peers = [p for p in a.peers.split(",") if p and p != "none"]
     batches = [int(b) for b in a.batch.split(",")]
