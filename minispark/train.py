@@ -278,7 +278,9 @@ def stage_data(out: Path, r: Recipe, minutes: float) -> None:
     if not texts.exists():
         texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in reading_texts()))
     # spec="off": on chat, speculation gains little at large batch sizes.
-    llm = LLM(r.model, spec="off", max_batch_size=r.batch, max_seq_len=1024, device=r.device)
+    # Eager: a GPU would otherwise compile (max-autotune) a graph for every batch and context
+    # bucket the stage passes through, which costs more than the stage itself.
+    llm = LLM(r.model, spec="off", max_batch_size=r.batch, max_seq_len=1024, device=r.device, compile=False)
     start = time.time()
     questions = self_written_questions(out, llm, r, start + 15 * minutes)  # a quarter of the time at most
     deadline = start + 60 * minutes
@@ -398,6 +400,13 @@ class Corpus:
 
     def __len__(self) -> int:
         return len(self.lens)
+
+    def to(self, device: str) -> "Corpus":
+        """Tokens, features and teacher on `device` (the window bookkeeping stays on the host):
+        on a GPU each step then gathers its batch there instead of copying it over."""
+        for k in ("ids", "feats", "top_ids", "top_p"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
 
     def windows(self, docs: torch.Tensor, width: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat indices [B, width] of a random window of each doc (clamped to the doc; the
@@ -542,6 +551,8 @@ def stage_fit(out: Path, r: Recipe, minutes: float, init: Path | None = None) ->
 
     target, _ = r.target(torch.float32 if r.device == "cpu" else torch.bfloat16)
     train, held = load_corpus(out)
+    if r.device.startswith("cuda") and 2 * train.feats.nbytes < torch.cuda.mem_get_info()[0]:
+        train, held = train.to(r.device), held.to(r.device)
     ckpt_path = out / "ckpt.pt"
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     d = starting_drafter(target, train, r, ckpt, init).attach(target)
@@ -684,7 +695,8 @@ def stage_eval(dest: Path, r: Recipe, prompts: int = 80, max_tokens: int = 256) 
     from .weights import load_drafter
     from .workloads import chat_prompts
 
-    llm = LLM(r.model, spec="off", max_batch_size=16, max_seq_len=1024, device=r.device, dtype="float32")
+    llm = LLM(r.model, spec="off", max_batch_size=16, max_seq_len=1024, device=r.device, dtype="float32",
+              compile=False)
     convs = chat_prompts(prompts)
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=max_tokens))
     model = llm.engine.model
