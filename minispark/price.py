@@ -196,40 +196,49 @@ def admitted_value(a: Tensor, budget: int) -> Tensor:
     return flat.topk(min(max(budget, 0), flat.numel())).values.sum()
 
 
-def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int, rounds: int = 2) -> tuple[Tensor, Tensor]:
-    """Each row takes the chain with the larger net value at the price; returns use_spark [R]
-    and the chosen survival [R, W]. The price starts from the Spark-only admission and is read
-    again over the chosen chains; of the choices the rounds make (a fixed count keeps the step
-    static), the one whose top-`budget` admission expects the most accepted tokens is kept.
+def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int) -> tuple[Tensor, Tensor]:
+    """Each row takes its n-gram or its Spark chain (survivals [R, W]) so that the top-`budget`
+    admission over the chosen chains expects the most accepted tokens; returns use_spark [R] and
+    the chosen survival [R, W].
+
+    Survival never increases along a chain, so the admission takes a prefix of each row, and the
+    best choice is the best split of the budget into row lengths l_r, a row worth the larger of
+    its chains' prefix sums at l_r: a knapsack over rows, solved exactly (a price threshold
+    misses optima where two rows must switch together) in O(R * B * W), with fixed shapes.
 
     Why sampling stays lossless: both inputs are known before any draft token is sampled. The
     n-gram survival reads the history and how earlier proposals fared; Spark's is taken along
     its greedy path, which depends on the context alone (at temperature 0 the two paths are the
-    same). So the chain chosen, the price and the admitted length are independent of this
-    step's sampled tokens, and each verified token then goes through rejection sampling
-    against the target, which leaves every emitted token distributed exactly as the target's."""
-    lam = price_of(a_spark, budget)
-    best_use = torch.ones(a_spark.shape[0], dtype=torch.bool, device=a_spark.device)
-    best_value = admitted_value(a_spark, budget)
-    for _ in range(rounds):
-        v_sp, v_ng = net_value(a_spark, lam), net_value(a_ngram, lam)
-        # Ties go to the chain with the likelier first token ([:, :1] also holds for empty chains).
-        use = (v_sp > v_ng) | ((v_sp == v_ng) & (a_spark[:, :1].sum(-1) >= a_ngram[:, :1].sum(-1)))
-        chosen = torch.where(use[:, None], a_spark, a_ngram)
-        value = admitted_value(chosen, budget)
-        better = value > best_value
-        best_use, best_value = torch.where(better, use, best_use), torch.where(better, value, best_value)
-        lam = price_of(chosen, budget)
-    # Budgets come in whole tokens, so a threshold can miss the best choice by one row: try
-    # switching each row alone, all at once, and keep the best switch if it gains.
-    R, W = a_spark.shape
-    flip = best_use[None, :] ^ torch.eye(R, dtype=torch.bool, device=a_spark.device)  # [R, R]
-    options = torch.where(flip[..., None], a_spark[None], a_ngram[None]).flatten(1)  # [R, R * W]
-    values = options.topk(min(max(budget, 0), R * W), dim=-1).values.sum(-1)  # [R]
-    pick = torch.arange(R, device=values.device) == values.argmax()  # one-hot: no indexing by a tensor value
-    switched = (flip & pick[:, None]).any(0)
-    best_use = torch.where(values.max() > best_value, switched, best_use)
-    return best_use, torch.where(best_use[:, None], a_spark, a_ngram)
+    same). So the chain chosen and the admitted length are independent of this step's sampled
+    tokens, and each verified token then goes through rejection sampling against the target,
+    which leaves every emitted token distributed exactly as the target's."""
+    R, W = a_ngram.shape
+    dev = a_ngram.device
+    B = min(max(budget, 0), R * W)  # slots past the last pair buy nothing
+    zero = a_ngram.new_zeros(R, 1)
+    s_ng = torch.cat([zero, a_ngram.cumsum(-1)], -1)  # [R, W+1], s[:, l]: the first l tokens
+    s_sp = torch.cat([zero, a_spark.cumsum(-1)], -1)  # [R, W+1]
+    worth = torch.maximum(s_ng, s_sp).flip(-1)  # [R, W+1], column k: a row given W - k slots
+    best = a_ngram.new_zeros(B + 1)  # [B+1]: the rows so far within b slots (l = 0 always fits)
+    pad = a_ngram.new_full((W,), float("-inf"))  # b - l < 0 slots left: infeasible
+    take = []  # R x [B+1]: each row's best length for each budget left to it
+    for r in range(R):  # R is static: the loop unrolls into the graph
+        # window b, column k holds best[b - W + k], what the earlier rows make of b - l slots
+        value = torch.cat([pad, best]).unfold(0, W + 1, 1) + worth[r]  # [B+1, W+1]
+        # amax and argmax, not max(-1): on CPU max(dim) goes parallel however small, ms on busy cores
+        best = value.amax(-1)  # [B+1]
+        take.append(W - value.argmax(-1))  # [B+1]
+    # Walk back from the last row with the whole budget; gathers keep it on the device.
+    length = torch.zeros(R, dtype=torch.long, device=dev)  # [R]
+    left = torch.full((1,), B, dtype=torch.long, device=dev)  # [1]
+    for r in reversed(range(R)):
+        length[r:r + 1] = take[r].gather(0, left)
+        left = left - length[r:r + 1]
+    sp, ng = s_sp.gather(1, length[:, None])[:, 0], s_ng.gather(1, length[:, None])[:, 0]  # [R]
+    # Ties (and rows given nothing) go to the chain with the likelier first token ([:, :1] also
+    # holds for empty chains).
+    use_spark = (sp > ng) | ((sp == ng) & (a_spark[:, :1].sum(-1) >= a_ngram[:, :1].sum(-1)))
+    return use_spark, torch.where(use_spark[:, None], a_spark, a_ngram)
 
 
 # ----------------------------------------------------------------------------- n-gram calibration
