@@ -213,14 +213,28 @@ def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int) -> tuple[Tensor
     tokens, and each verified token then goes through rejection sampling against the target,
     which leaves every emitted token distributed exactly as the target's."""
     R, W = a_ngram.shape
-    dev = a_ngram.device
     B = min(max(budget, 0), R * W)  # slots past the last pair buy nothing
     zero = a_ngram.new_zeros(R, 1)
     s_ng = torch.cat([zero, a_ngram.cumsum(-1)], -1)  # [R, W+1], s[:, l]: the first l tokens
     s_sp = torch.cat([zero, a_spark.cumsum(-1)], -1)  # [R, W+1]
-    worth = torch.maximum(s_ng, s_sp).flip(-1)  # [R, W+1], column k: a row given W - k slots
-    best = a_ngram.new_zeros(B + 1)  # [B+1]: the rows so far within b slots (l = 0 always fits)
-    pad = a_ngram.new_full((W,), float("-inf"))  # b - l < 0 slots left: infeasible
+    # B is static: a step that verifies no drafts skips the search (0.4 ms at R = 16 on a CPU)
+    length = best_lengths(torch.maximum(s_ng, s_sp), B) if B else zero[:, 0].long()
+    sp, ng = s_sp.gather(1, length[:, None])[:, 0], s_ng.gather(1, length[:, None])[:, 0]  # [R]
+    # Ties (and rows given nothing) go to the chain with the likelier first token ([:, :1] also
+    # holds for empty chains).
+    use_spark = (sp > ng) | ((sp == ng) & (a_spark[:, :1].sum(-1) >= a_ngram[:, :1].sum(-1)))
+    return use_spark, torch.where(use_spark[:, None], a_spark, a_ngram)
+
+
+def best_lengths(worth: Tensor, budget: int) -> Tensor:
+    """Row lengths [R] within `budget` that maximise sum_r worth[r, l_r], worth [R, W+1] being
+    each row's value for its first l tokens: a DP over rows with fixed shapes, walked back on
+    the device."""
+    R, W = worth.shape[0], worth.shape[1] - 1
+    dev = worth.device
+    worth = worth.flip(-1)  # column k: a row given W - k slots
+    best = worth.new_zeros(budget + 1)  # [B+1]: the rows so far within b slots (l = 0 always fits)
+    pad = worth.new_full((W,), float("-inf"))  # b - l < 0 slots left: infeasible
     take = []  # R x [B+1]: each row's best length for each budget left to it
     for r in range(R):  # R is static: the loop unrolls into the graph
         # window b, column k holds best[b - W + k], what the earlier rows make of b - l slots
@@ -230,15 +244,11 @@ def choose_chains(a_ngram: Tensor, a_spark: Tensor, budget: int) -> tuple[Tensor
         take.append(W - value.argmax(-1))  # [B+1]
     # Walk back from the last row with the whole budget; gathers keep it on the device.
     length = torch.zeros(R, dtype=torch.long, device=dev)  # [R]
-    left = torch.full((1,), B, dtype=torch.long, device=dev)  # [1]
+    left = torch.full((1,), budget, dtype=torch.long, device=dev)  # [1]
     for r in reversed(range(R)):
         length[r:r + 1] = take[r].gather(0, left)
         left = left - length[r:r + 1]
-    sp, ng = s_sp.gather(1, length[:, None])[:, 0], s_ng.gather(1, length[:, None])[:, 0]  # [R]
-    # Ties (and rows given nothing) go to the chain with the likelier first token ([:, :1] also
-    # holds for empty chains).
-    use_spark = (sp > ng) | ((sp == ng) & (a_spark[:, :1].sum(-1) >= a_ngram[:, :1].sum(-1)))
-    return use_spark, torch.where(use_spark[:, None], a_spark, a_ngram)
+    return length
 
 
 # ----------------------------------------------------------------------------- n-gram calibration
