@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_hf_config
-from minispark.model import Batch, Transformer
+from minispark.model import Batch, Transformer, attend
 from minispark.weights import args_from_hf_config, build_model
 
 ATOL = 1e-4
@@ -320,8 +320,6 @@ def test_llama_output_projection_bias_is_refused():
 def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads):
     """The CPU path that stacks each key head's query heads along the query axis computes the
     same attention as the grouped-query kernel, mask and head order included."""
-    from minispark.model import attend
-
     torch.manual_seed(Q)
     (H, Hkv), R, C, D = heads, 3, 11, 8
     q, k, v = torch.randn(R, Q, H, D), torch.randn(R, Hkv, C, D), torch.randn(R, Hkv, C, D)
