@@ -251,7 +251,7 @@ class Engine:
         """The target's own token for each row of logits [N, V] (greedy unless `sampling`;
         `filtered`: some row sets top-k or top-p)."""
         if not sampling:
-            return logits.argmax(-1)
+            return verify.greedy(logits)
         probs = verify.target_probs(logits, self.temperature[slot], self.top_k[slot], self.top_p[slot], filtered)
         return verify.bonus_tokens(probs, self.seed[slot], pos)
 
@@ -382,7 +382,7 @@ class Engine:
                 ok_sp, alt_sp = verify.accept_tokens(probs, draft_next, q_full, self.seed[row], b.pos + 1)
                 ok, alt = torch.where(use_spark[row], ok_sp, ok), torch.where(use_spark[row], alt_sp, alt)
         else:
-            alt = logits.argmax(-1)
+            alt = verify.greedy(logits)
             ok = alt == draft_next
 
         def to_grid(x: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings, strategies as st
 from scipy import stats
 
 from minispark.verify import (
-    ACCEPT_STREAM, SAMPLE_STREAM, accept_chains, accept_tokens, bonus_tokens, sample, target_probs, uniform,
+    ACCEPT_STREAM, SAMPLE_STREAM, accept_chains, accept_tokens, bonus_tokens, greedy, sample, target_probs, uniform,
 )
 
 P_MIN = 1e-3  # p-value threshold
@@ -378,6 +378,19 @@ def test_q_equal_p_always_accepts():
     seed, pos = trials(T, 4)
     accept, _ = accept_tokens(p.expand(T, -1), draft, p.expand(T, -1), seed, pos)
     assert accept.all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 16, 144])
+def test_greedy_takes_the_first_of_tied_maxima(T, dtype):
+    """bf16 logits tie often (8 bits of mantissa): every mode must pick the same token of a tie,
+    the first, as argmax and transformers' greedy search do, however many rows a step packs."""
+    g = torch.Generator().manual_seed(T)
+    V = 49_152
+    logits = torch.randint(0, 4, (T, V), generator=g).to(dtype)  # thousands of tied maxima per row
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    logits[:, 1000:] = logits.amax() + 1  # the first tied maximum is far into the row
+    assert torch.equal(greedy(logits), torch.full((T,), 1000))
 
 
 def test_greedy_rows_accept_iff_argmax():
