@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import FeedForward, ModelArgs, RMSNorm, apply_rope, rope_frequencies
-from .verify import sample
+from .verify import greedy, sample
 
 
 @dataclass
@@ -270,13 +270,13 @@ class SparkDrafter(nn.Module):
         for k in range(self.args.block):
             logits, conf = self.logits(h[:, k], prev, head[:, k])  # [R, Vd], [R]
             if temperature is None:
-                d = logits.argmax(-1)
+                d = greedy(logits)
                 extra.append(conf)
             else:
-                greedy = temperature <= 0
-                q = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
-                d = torch.where(greedy, logits.argmax(-1), sample(q, u[:, k]))
-                extra.append(torch.where(greedy[:, None], F.one_hot(d, q.shape[-1]).to(q.dtype), q))
+                cold = temperature <= 0  # greedy rows
+                q = (logits / torch.where(cold, 1.0, temperature)[:, None]).softmax(-1)
+                d = torch.where(cold, greedy(logits), sample(q, u[:, k]))
+                extra.append(torch.where(cold[:, None], F.one_hot(d, q.shape[-1]).to(q.dtype), q))
             prev = self.d2t[d]
             toks.append(prev)
         return torch.stack(toks, 1), torch.stack(extra, 1)
