@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import FeedForward, ModelArgs, RMSNorm, apply_rope, rope_frequencies
+from .model import FeedForward, ModelArgs, RMSNorm, apply_rope, attend, rope_frequencies
 from .verify import greedy, sample
 
 
@@ -100,7 +100,8 @@ class DraftAttention(nn.Module):
     def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values [..., Hkv, D] of fused target features ctx [..., dim]."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        _, k, v = self.wqkv(ctx).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        # The context asks no queries: only the key and value rows of wqkv (2/5 of it here).
+        k, v = F.linear(ctx, self.wqkv.weight[H * D:]).split([Hkv * D, Hkv * D], dim=-1)
         k = apply_rope(k.unflatten(-1, (Hkv, D)), cos, sin)
         return k, v.unflatten(-1, (Hkv, D))
 
@@ -113,8 +114,7 @@ class DraftAttention(nn.Module):
         k = apply_rope(k.view(B, Q, Hkv, D), cos, sin)
         keys = torch.cat([ctx_k.to(q.dtype), k], dim=1).transpose(1, 2)  # [B, Hkv, C + Q, D]
         vals = torch.cat([ctx_v.to(q.dtype), v.view(B, Q, Hkv, D)], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=Hkv != H)
-        return self.wo(out.transpose(1, 2).reshape(B, Q, H * D))
+        return self.wo(attend(q, keys, vals, mask).reshape(B, Q, H * D))
 
 
 class DraftLayer(nn.Module):
@@ -228,14 +228,15 @@ class SparkDrafter(nn.Module):
         """The target's LM head over the draft vocabulary: [..., Vd] of states h [..., dim]."""
         return F.linear(h, self.head.to(h.dtype)).float()
 
-    def logits(self, h: Tensor, prev: Tensor, head: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def logits(self, h: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
         """Draft logits [..., Vd] and confidence logits [...] of states h [..., dim] after the
-        previous token prev [...] (target ids); head: h's `head_logits`, if already computed."""
+        previous token prev [...] (target ids)."""
         w1 = self.markov_in(self.t2d[prev])  # [..., r]
-        head = self.head_logits(h) if head is None else head
-        logits = head + self.markov_out(w1).float()
-        conf = self.conf(torch.cat([h, w1.to(h.dtype)], dim=-1)).float()[..., 0]
-        return logits, conf
+        return self.head_logits(h) + self.markov_out(w1), self.confidence(h, w1)
+
+    def confidence(self, h: Tensor, w1: Tensor) -> Tensor:
+        """Confidence logits [...] of states h [..., dim] with the previous token's Markov row w1 [..., r]."""
+        return self.conf(torch.cat([h, w1.to(h.dtype)], dim=-1)).float()[..., 0]
 
     def draft(self, anchor: Tensor, lens: Tensor, ctx: int, temperature: Tensor | None = None,
               u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
@@ -265,18 +266,22 @@ class SparkDrafter(nn.Module):
         # Only the Markov term waits for the token before; the head's part of every position is
         # one matrix product, which reads the head once rather than g times (at one row, the
         # g reads of its 9 MB were most of the drafter's time on a CPU).
+        # The confidence head, too, waits for nothing but the Markov rows: one product after the loop.
         head = self.head_logits(h)  # [R, g, Vd]
-        prev, toks, extra = anchor, [], []
+        prev, toks, w1s, qs = anchor, [], [], []
         for k in range(self.args.block):
-            logits, conf = self.logits(h[:, k], prev, head[:, k])  # [R, Vd], [R]
+            w1 = self.markov_in(self.t2d[prev])  # [R, r]
+            logits = head[:, k] + self.markov_out(w1)  # [R, Vd], fp32 like the head's
             if temperature is None:
                 d = greedy(logits)
-                extra.append(conf)
             else:
                 cold = temperature <= 0  # greedy rows
                 q = (logits / torch.where(cold, 1.0, temperature)[:, None]).softmax(-1)
                 d = torch.where(cold, greedy(logits), sample(q, u[:, k]))
-                extra.append(torch.where(cold[:, None], F.one_hot(d, q.shape[-1]).to(q.dtype), q))
+                qs.append(torch.where(cold[:, None], F.one_hot(d, q.shape[-1]).to(q.dtype), q))
             prev = self.d2t[d]
             toks.append(prev)
-        return torch.stack(toks, 1), torch.stack(extra, 1)
+            w1s.append(w1)
+        if temperature is None:
+            return torch.stack(toks, 1), self.confidence(h, torch.stack(w1s, 1))
+        return torch.stack(toks, 1), torch.stack(qs, 1)
