@@ -549,8 +549,9 @@ class LLM:
         per step, batch-wide; compile: torch.compile the decode step (None = on CUDA only; eager
         is faster to start on a CPU); cost: a step-time table (profiled on this device at
         start-up when None); trace: a file that gets one JSON line per step (each slot's chain,
-        estimates, verified and accepted); adaptive: False verifies every row's whole chain on
-        every step (Spark's full block of g), the fixed baseline of adaptive verification."""
+        estimates, verified and accepted; the step's time); adaptive: False verifies every
+        row's whole chain on every step (Spark's full block of g), the fixed baseline of
+        adaptive verification."""
         if spec is not None:
             check_spec(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -794,7 +795,8 @@ class LLM:
             rate = -1.0
             trust = torch.tensor([self._trust("ngram"), self._trust("spark")])
             trusted = price.trusted(torch.tensor([est[i] for i in rows]), trust)  # [N, 2, K]
-            share = self._slowest_share(rows, trusted.sum(-1).amax(-1).tolist(), worth, queued)
+            best = trusted[torch.arange(len(rows)), trusted.sum(-1).argmax(-1)]  # [N, K]: each row's better chain
+            share = self._slowest_share(rows, best, worth, queued)
             scaled = (trusted * (torch.tensor(worth) * share)[:, None, None]).tolist()
             scaled = dict(zip(rows, scaled))
             longest = 0
@@ -823,30 +825,40 @@ class LLM:
         wait, the run ends with its slowest row, and a token of a row that will be done before
         then anyway only idles the row sooner, while its drafts cost every row's step. A row is
         sure to be done in time when its tokens left, even at one per step, fit in the steps
-        the run is expected to take (every row at its pace so far); its worth falls from 1 to 0
-        as that margin grows from 0 to WORTH_HORIZON tokens. A row that may still end last keeps its
-        worth: copies come in bursts, and one not taken now may not come again. (A row that
-        stops at a stop token before max_tokens is only ever overrated.)"""
+        the run is expected to take; its worth falls from 1 to 0 as that margin grows from 0
+        to WORTH_HORIZON tokens. A row that may still end last keeps its worth: copies come in
+        bursts, and one not taken now may not come again. (A row that stops at a stop token
+        before max_tokens is only ever overrated.)"""
         if queued:
             return [1.0] * len(rows)
+        left, steps = self._left(rows)
+        return [min(1.0, max(0.0, 1.0 - (steps - r) / WORTH_HORIZON)) for r in left]
+
+    def _left(self, rows: list[int]) -> tuple[list[int], float]:
+        """Tokens left to each row, and the steps the run is expected to take: every row at its
+        pace so far."""
         left, steps = [], 0.0
         for i in rows:
             o = self._slots[i].out
             left.append(self._slots[i].params.max_tokens - len(o.token_ids))
             pace = len(o.token_ids) / o.num_steps if o.num_steps else 1.0
             steps = max(steps, left[-1] / max(pace, 1.0))
-        return [min(1.0, max(0.0, 1.0 - (steps - r) / WORTH_HORIZON)) for r in left]
+        return left, steps
 
-    def _slowest_share(self, rows: list[int], gain: list[float], worth: list[float], queued: bool) -> float:
+    def _slowest_share(self, rows: list[int], best: Tensor, worth: list[float], queued: bool) -> float:
         """How much of a drafted token shortens the run (`price.slowest_share`): all of it while
-        requests wait; with none waiting, the share the slowest row gains. A row's gain is
+        requests wait; with none waiting, the share the slowest row gains, luck included (the
+        spread of each row's better chain, `best` [N, K], over the steps left). A row's gain is
         what its best chains have promised lately (decayed over GAIN_DECAY steps), not just
         now: a row copying code pauses at each edit and resumes, a row writing new text
         seldom copies at all."""
-        for i, g in zip(rows, gain):
+        for i, g in zip(rows, best.sum(-1).tolist()):
             last = self._gain[i]
             self._gain[i] = g if last is None else GAIN_DECAY * last + (1 - GAIN_DECAY) * g
-        return 1.0 if queued else price.slowest_share([self._gain[i] for i in rows], worth)
+        if queued:
+            return 1.0
+        spread = price.luck_spread(best, self._left(rows)[1]).tolist()
+        return price.slowest_share([self._gain[i] for i in rows], worth, spread)
 
     def _trust(self, drafter: str) -> float:
         """Accepted over expected tokens of the drafter's recent chains, at the positions they
@@ -922,7 +934,8 @@ class LLM:
                     break
 
     def _write_trace(self, step: Launched) -> None:
-        """One JSON line per step: for teaching, what each slot proposed, was granted and kept."""
+        """One JSON line per step: for teaching, what each slot proposed, was granted and kept,
+        and how long the step took on its device (`ms`, the time the cost table learns from)."""
         self._step_no += 1
         out, owners, rows, (budget, width, ctx, spark_pass) = step.out, step.owners, step.rows, step.plan
         n, n_draft, length, source = out.n.tolist(), out.n_draft.tolist(), out.length.tolist(), out.source.tolist()
@@ -932,7 +945,8 @@ class LLM:
                   "verified": length[i], "accepted": n_draft[i], "emitted": n[i]}
                  for i, (req, s) in enumerate(zip(owners, rows)) if req is not None and n[i] > 0]
         self._trace.write(json.dumps({"step": self._step_no, "budget": budget, "width": width, "ctx": ctx,
-                                      "spark_pass": spark_pass, "slots": slots}) + "\n")
+                                      "spark_pass": spark_pass, "ms": round(step.clock.seconds() * 1e3, 3),
+                                      "slots": slots}) + "\n")
         self._trace.flush()
 
     def _append(self, req: _Request, tok: int) -> bool:

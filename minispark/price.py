@@ -6,6 +6,7 @@ accepted; verifying slot j is worth `a_j` expected tokens. The budget goes to th
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import torch
 from torch import Tensor
@@ -143,23 +144,45 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
     return best, best_rate
 
 
-def slowest_share(gain: list[float], worth: list[float]) -> float:
+def slowest_share(gain: list[float], worth: list[float], spread: list[float] | None = None) -> float:
     """The share of its rows' mean expected gain per step by which a run with no queue ends
     sooner. Such a run ends with its slowest row, so a step moves the end by what that row
     gains, and rows gain at different rates for long stretches (one keeps copying, another
     writes new text). Each row is taken to end the run with chance its worth (see
     LLM._worth), independently: the expected gain of the slowest is the worth-weighted
-    minimum, rows ranked from the least gain up."""
-    rows = sorted((g, w) for g, w in zip(gain, worth) if w > 0)
+    minimum, rows ranked from the least gain up.
+
+    Luck, too: rows that expect the same gain still draw different ones, and the row that ends
+    the run is the one whose drafts fared worst. `spread` is each row's standard deviation of
+    its mean gain per step over the steps left (`luck_spread`); the least of n rows that
+    may end last falls below its expectation by about the largest of n standard normals,
+    times that spread. A run that drafts nothing has no luck in it: every row makes one token
+    a step."""
+    spread = spread or [0.0] * len(gain)
+    n = sum(w > 0 for w in worth)
+    z = NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0  # Blom's expected maximum
+    lucky = [max(0.0, g - z * s) for g, s in zip(gain, spread)]
+    rows = sorted((g, w) for g, w in zip(lucky, worth) if w > 0)
     if not rows:
         return 1.0
-    mean = sum(g * w for g, w in rows) / sum(w for _, w in rows)
+    mean = sum(g * w for g, w in zip(gain, worth) if w > 0) / sum(w for _, w in rows)
     least, still = 0.0, 1.0  # still: the chance no lower-ranked row ends the run
     for g, w in rows:
         least += still * w * g
         still *= 1.0 - w
     least /= 1.0 - still  # given that some row ends the run
     return least / mean if mean > 0 else 1.0
+
+
+def luck_spread(a: Tensor, steps: float) -> Tensor:
+    """[..] the standard deviation of a row's mean accepted tokens per step over `steps` steps,
+    each verifying a chain of survival a [.., K] drafted afresh. Its accepted length A counts
+    the positions j whose tokens 1..j were all accepted: E[A] = sum_j a_j and
+    E[A^2] = sum_j (2j - 1) a_j."""
+    j = torch.arange(1, a.shape[-1] + 1, dtype=a.dtype, device=a.device)
+    mean = a.sum(-1)
+    var = ((2 * j - 1) * a).sum(-1) - mean ** 2
+    return (var.clamp(min=0) / max(steps, 1.0)).sqrt()
 
 
 def longest_admitted(chains: list[list[float]], budget: int) -> int:

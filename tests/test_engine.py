@@ -366,6 +366,7 @@ def test_trace_accounts_for_every_decoded_token(tmp_path):
         assert sum(s["emitted"] for s in mine) == len(o.token_ids) - 1  # the first comes from prefill
         assert sum(s["accepted"] for s in mine) == o.accepted["ngram"]
         assert all(s["accepted"] <= s["verified"] <= step["width"] for step in steps for s in step["slots"])
+    assert all(step["ms"] > 0 for step in steps)  # every step's own time, as the cost table saw it
 
 
 def test_non_finite_logits_stop_only_the_affected_request():
@@ -603,6 +604,24 @@ def test_the_plan_values_a_budget_only_by_the_pairs_its_step_can_verify(monkeypa
         assert len(widths) == 1 and pairs <= n * widths.pop()
 
 
+def test_with_no_request_waiting_luck_over_the_steps_left_holds_back_drafts(monkeypatch):
+    """Sixteen rows expect the same gain, but each chain is all or nothing, and the run ends with
+    the row whose chains fared worst: over many steps left, luck evens out and the plan drafts;
+    over one, the unluckiest of 16 rows gains nothing, so it drafts nothing."""
+    from types import SimpleNamespace
+
+    llm = tiny_llm("ngram", max_batch_size=16)
+    K = llm.engine.K
+    llm._slots = [SimpleNamespace(known_len=10) for _ in range(16)]
+    monkeypatch.setattr(llm, "_worth", lambda rows, queued: [1.0] * 16)
+    chain = ([0.5] * 4 + [0.0] * (K - 4), [0.0] * K)  # four tokens, all kept half the time
+    for steps_left, drafts in ((1000.0, True), (1.0, False)):
+        monkeypatch.setattr(llm, "_left", lambda rows, s=steps_left: ([int(s)] * 16, s))
+        llm._gain = [None] * 16
+        assert (llm._plan(16, [chain] * 16, queued=False).budget > 0) == drafts
+        assert llm._plan(16, [chain] * 16, queued=True).budget > 0  # a queue takes every token
+
+
 def test_with_no_request_waiting_a_row_that_never_copies_holds_back_every_rows_drafts(monkeypatch):
     """With nothing queued the run ends with its slowest row: while one row's chains promise
     nothing, copies for the others only idle them sooner, so the plan verifies none. With a
@@ -613,6 +632,7 @@ def test_with_no_request_waiting_a_row_that_never_copies_holds_back_every_rows_d
     K = llm.engine.K
     llm._slots = [SimpleNamespace(known_len=10), SimpleNamespace(known_len=10)]
     monkeypatch.setattr(llm, "_worth", lambda rows, queued: [1.0, 1.0])
+    monkeypatch.setattr(llm, "_left", lambda rows: ([50, 50], 50.0))
     copy, novel = ([0.9] * K, [0.0] * K), ([0.0] * K, [0.0] * K)
     assert llm._plan(2, [copy, novel], queued=False).budget == 0
     assert llm._plan(2, [copy, novel], queued=True).budget > 0

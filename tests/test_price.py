@@ -352,3 +352,34 @@ def test_a_run_with_no_queue_moves_by_what_its_slowest_row_gains():
     # the row gaining 1 ends the run half the time, the one gaining 3 otherwise: 2 of a mean of 7/3
     assert slowest_share([1.0, 3.0], [0.5, 1.0]) == pytest.approx(2.0 / (3.5 / 1.5))
     assert slowest_share([0.0, 0.0], [1.0, 1.0]) == 1.0  # nothing promised: nothing to scale
+
+
+def test_the_row_that_ends_a_run_is_the_one_whose_drafts_fared_worst():
+    """Rows that expect the same gain draw different ones: of n rows that may end the run, the
+    last falls below its expectation by about the largest of n standard normals times its spread."""
+    from statistics import NormalDist
+
+    from minispark.price import slowest_share
+
+    z16 = NormalDist().inv_cdf((16 - 0.375) / (16 + 0.25))  # about 1.77
+    assert slowest_share([1.0] * 16, [1.0] * 16, [0.2] * 16) == pytest.approx(1 - z16 * 0.2)
+    assert slowest_share([1.0] * 16, [1.0] * 16, [0.0] * 16) == 1.0  # certain gains: no luck to lose
+    four, sixteen = (slowest_share([1.0] * n, [1.0] * n, [0.2] * n) for n in (4, 16))
+    assert sixteen < four < 1.0  # more rivals, worse luck for the last of them
+    assert slowest_share([1.0], [1.0], [0.5]) == 1.0  # a row alone has no rival to end the run
+    assert slowest_share([1.0, 1.0], [1.0, 0.0], [0.3, 0.3]) == 1.0  # nor one whose rival is done in time
+    assert slowest_share([1.0] * 4, [1.0] * 4, [10.0] * 4) == 0.0  # luck that wide: drafts buy nothing
+
+
+@pytest.mark.parametrize("chain", [[0.9, 0.81, 0.729], [0.6, 0.3, 0.1, 0.0], [1.0, 1.0], [0.0, 0.0]])
+def test_luck_spread_is_the_spread_of_the_accepted_length(chain):
+    """Against the accepted length's own distribution: P(A = k) = a_k - a_{k+1}."""
+    from minispark.price import luck_spread
+
+    a = [1.0] + chain + [0.0]
+    p = [a[k] - a[k + 1] for k in range(len(chain) + 1)]
+    mean = sum(k * pk for k, pk in enumerate(p))
+    var = sum(k * k * pk for k, pk in enumerate(p)) - mean ** 2
+    got = luck_spread(torch.tensor([chain, chain]), 1.0)
+    assert got.tolist() == pytest.approx([var ** 0.5] * 2, abs=1e-6)
+    assert luck_spread(torch.tensor(chain), 25.0).item() == pytest.approx(var ** 0.5 / 5, abs=1e-6)  # over 25 steps
