@@ -161,8 +161,8 @@ def slowest_share(gain: list[float], worth: list[float], spread: list[float] | N
     spread = spread or [0.0] * len(gain)
     n = sum(w > 0 for w in worth)
     z = NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0  # Blom's expected maximum
-    lucky = [max(0.0, g - z * s) for g, s in zip(gain, spread)]
-    rows = sorted((g, w) for g, w in zip(lucky, worth) if w > 0)
+    unlucky = [max(0.0, g - z * s) for g, s in zip(gain, spread)]
+    rows = sorted((g, w) for g, w in zip(unlucky, worth) if w > 0)
     if not rows:
         return 1.0
     mean = sum(g * w for g, w in zip(gain, worth) if w > 0) / sum(w for _, w in rows)
