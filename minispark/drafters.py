@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import FeedForward, ModelArgs, RMSNorm, apply_rope, attend, rope_frequencies
+from .model import FeedForward, Linear, ModelArgs, RMSNorm, apply_rope, attend, rope_frequencies
 from .verify import greedy, sample
 
 
@@ -92,8 +92,8 @@ class DraftAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.k_cache: Tensor | None = None  # [S + 1, L, Hkv, D] keys of the context; row S is scratch
         self.v_cache: Tensor | None = None
 
@@ -156,13 +156,13 @@ class SparkDrafter(nn.Module):
         self.args = args
         margs = args.as_model_args()
         n_feat = len(args.target_layers)
-        self.fuse = nn.Linear(n_feat * args.dim, args.dim, bias=False)
+        self.fuse = Linear(n_feat * args.dim, args.dim, bias=False)
         self.fuse_norm = RMSNorm(args.dim, args.norm_eps)
         self.mask_emb = nn.Parameter(torch.zeros(args.dim))
         self.layers = nn.ModuleList(DraftLayer(margs) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.markov_in = nn.Embedding(args.draft_vocab + 1, args.rank)  # W1; the last row: any other token
-        self.markov_out = nn.Linear(args.rank, args.draft_vocab, bias=False)  # W2
+        self.markov_out = Linear(args.rank, args.draft_vocab, bias=False)  # W2
         nn.init.zeros_(self.markov_out.weight)
         self.conf = nn.Linear(args.dim + args.rank, 1)
         self.register_buffer("d2t", torch.arange(args.draft_vocab))  # draft id -> target id

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_hf_config
-from minispark.model import Batch, Transformer, attend
+from minispark.model import Batch, Linear, Transformer, attend, can_pack
 from minispark.weights import args_from_hf_config, build_model
 
 ATOL = 1e-4
@@ -328,3 +328,38 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads):
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=H != Hkv).transpose(1, 2)
     torch.testing.assert_close(attend(q, k, v, mask), want)
+
+
+@pytest.mark.parametrize("variant", ["gqa_tied", "qkv_bias_qwen2"])
+def test_packed_bf16_weights_give_the_plain_product_and_follow_changes(variant):
+    """On a CPU that computes bf16 natively, loading packs every Linear (the tied LM head too);
+    the packed forward equals the plain one, and a weight changed in place afterwards (an
+    optimiser step, load_state_dict) is what the next forward uses."""
+    hf, _, cfg = variant_pair(variant)
+    ms = build_model(args_from_hf_config(cfg.to_dict()), hf.state_dict(), torch.bfloat16, "cpu")
+    ms.setup_cache(N_SLOTS, MAX_SEQ)
+    linears = [m for m in ms.modules() if isinstance(m, Linear)]
+    assert len(linears) == 5 * len(ms.layers) + 1
+    assert all((m.packed is not None) == can_pack(m.weight) for m in linears)
+    b, (idx,) = make_batch([(0, 0, rand_tokens(20, seed=3))], pad=2, ctx_len=32)
+
+    def plain():  # the same forward with every copy set aside
+        saved = [m.packed for m in linears]
+        for m in linears:
+            m.packed = None
+        try:
+            return run(ms, b)[0]
+        finally:
+            for m, p in zip(linears, saved):
+                m.packed = p
+
+    want = plain()
+    assert torch.equal(run(ms, b)[0], want)
+    with torch.no_grad():
+        ms.layers[1].feed_forward.w2.weight.mul_(-2.0)
+        ms.output.weight[:, :8].zero_()  # the embedding it is tied to changes too
+    changed = plain()
+    assert (changed - want).abs().max() > 0.1
+    assert torch.equal(run(ms, b)[0], changed)
+    x = torch.randn(3, ms.args.dim, dtype=torch.bfloat16, requires_grad=True)
+    assert ms.layers[0].feed_forward.w1(x).requires_grad  # training takes the plain, differentiable path
