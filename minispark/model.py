@@ -153,9 +153,10 @@ class Linear(nn.Linear):
     Reordered once instead of on every call, a bf16 weight streams ~1.5x faster through a
     skinny product (every linear of the demo model at 1 to 16 tokens: 12 ms against 18 ms on
     the 2-core CPU with AMX; bit for bit equal there, and about equal from 256 tokens up).
-    The copy doubles the linear weights' memory. It serves inference only: with gradients on,
-    or once the weight has changed (an optimiser step, `load_state_dict`), the plain product
-    runs or the copy is redone, so a packed module is never wrong."""
+    The copy doubles the linear weights' memory. It serves inference only: with gradients on
+    the plain product runs, and a weight changed since (an optimiser step, `load_state_dict`,
+    `.float()`) is packed again or, where it no longer can be, multiplied plainly, so a
+    packed module is never wrong."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -163,16 +164,19 @@ class Linear(nn.Linear):
         self.packed_from: tuple[int, int] | None = None  # the weight's storage and version when packed
 
     def pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self.packed_from = (self.weight.data_ptr(), self.weight._version)
+        """Make the copy of the weight as it is now, or drop it where oneDNN cannot use one."""
+        w = self.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w) if can_pack(w) else None
+        self.packed_from = (w.data_ptr(), w._version)
 
     def forward(self, x: Tensor) -> Tensor:
         # A compiled graph gets the plain product: the compiler lays out weights its own way.
-        if self.packed is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)
-        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
-            self.pack()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if self.packed_from != (self.weight.data_ptr(), self.weight._version):
+                self.pack()  # changed in place, replaced, or moved to another dtype or device
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def can_pack(w: Tensor) -> bool:

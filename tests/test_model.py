@@ -363,3 +363,6 @@ def test_packed_bf16_weights_give_the_plain_product_and_follow_changes(variant):
     assert torch.equal(run(ms, b)[0], changed)
     x = torch.randn(3, ms.args.dim, dtype=torch.bfloat16, requires_grad=True)
     assert ms.layers[0].feed_forward.w1(x).requires_grad  # training takes the plain, differentiable path
+    ms.float()  # a dtype oneDNN's bf16 path cannot take: the copies go, the plain product runs
+    ms.setup_cache(N_SLOTS, MAX_SEQ)
+    assert torch.equal(run(ms, b)[0], plain()) and all(m.packed is None for m in linears)
