@@ -37,11 +37,13 @@ class Result:
     seconds: float
     steps: int = 0
     chains: dict | None = None  # verified chains by drafter
+    answers: list[list[int]] | None = None  # per prompt, up to its first stop token
 
     def __add__(self, other: "Result") -> "Result":
         chains = None if self.chains is None else {k: v + other.chains[k] for k, v in self.chains.items()}
+        answers = None if self.answers is None else self.answers + other.answers
         return Result(self.system, self.workload, self.batch, self.tokens + other.tokens,
-                      self.seconds + other.seconds, self.steps + other.steps, chains)
+                      self.seconds + other.seconds, self.steps + other.steps, chains, answers)
 
     @property
     def tok_s(self) -> float:
@@ -50,6 +52,11 @@ class Result:
     @property
     def per_step(self) -> float:
         return self.tokens / self.steps if self.steps else float("nan")
+
+
+def up_to_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    ends = [j for j, t in enumerate(ids) if t in stop_ids]
+    return ids[: ends[0]] if ends else ids
 
 
 def load_weights(path: str | None):
@@ -83,8 +90,9 @@ def run_minispark(llm: LLM, mode: str, prompts: list[list[int]], batch: int, max
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     chains = {k: sum(o.chains[k] for o in outs) for k in outs[0].chains}
+    answers = [up_to_stop(o.token_ids, llm.tokenizer.stop_ids) for o in outs]
     return Result(mode, "", batch, sum(len(o.token_ids) for o in outs), seconds, sum(o.num_steps for o in outs),
-                  chains)
+                  chains, answers)
 
 
 def hf_model(args, hf_sd, dtype: torch.dtype):
@@ -115,7 +123,7 @@ def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_id
     kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
     if prompt_lookup:
         kw["prompt_lookup_num_tokens"] = 10
-    tokens, seconds = 0, 0.0
+    tokens, seconds, answers = 0, 0.0, []
     with torch.no_grad():
         model.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4})  # warm-up
         for i in range(0, len(prompts), group_size):
@@ -127,9 +135,9 @@ def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_id
             out = model.generate(ids, attention_mask=mask, **kw)[:, width:]
             seconds += time.perf_counter() - start
             for row in out.tolist():
-                ends = [j for j, t in enumerate(row) if t in stop_ids]
-                tokens += ends[0] + 1 if ends else len(row)
-    return Result("hf-pld" if prompt_lookup else "hf", "", batch, tokens, seconds)
+                answers.append(up_to_stop(row, stop_ids))
+                tokens += min(len(answers[-1]) + 1, len(row))  # the stop token counts, as in minispark
+    return Result("hf-pld" if prompt_lookup else "hf", "", batch, tokens, seconds, answers=answers)
 
 
 def run_row(systems: dict[str, Callable[[list[list[int]]], Result]], prompts: list[list[int]], batch: int,
@@ -170,13 +178,21 @@ def per_workload(value: str, workloads: list[str]) -> dict[str, int]:
     return out
 
 
-def render(results: list[Result], baseline: str) -> str:
-    """A Markdown table: one row per (workload, batch), tokens/s and the ratio to `baseline`."""
+def render(results: list[Result], baseline: str, greedy: bool = False) -> str:
+    """A Markdown table: one row per (workload, batch), tokens/s and the ratio to `baseline`.
+
+    Greedy, with `off` in the run, a last column counts each system's answers that are `off`'s
+    token for token. In bf16 a kernel may round a logit differently for 33 rows than for 1, and
+    a near tie then parts two answers: systems that wrote different answers did different work,
+    and their ratio says as much about the answers as about the systems."""
     systems = list(dict.fromkeys(r.system for r in results))
     cells = {(r.workload, r.batch, r.system): r for r in results}
+    others = [s for s in systems if s != "off" and all(r.answers is not None for r in results if r.system == s)]
+    compare = greedy and "off" in systems and others
     head = ["workload", "batch"] + [f"{s} tok/s" for s in systems] + [f"{s} / {baseline}" for s in systems if s != baseline]
     head += [f"{s} tok/step" for s in systems if spec_of(s) in SPEC_MODES and s != "off"]
     head += ["hybrid n-gram chains"] if "hybrid" in systems else []
+    head += [f"answers as off's ({', '.join(others)})"] if compare else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w, b in dict.fromkeys((r.workload, r.batch) for r in results):
         base = cells.get((w, b, baseline))
@@ -188,6 +204,11 @@ def render(results: list[Result], baseline: str) -> str:
         if "hybrid" in systems:
             ch = cells[w, b, "hybrid"].chains if (w, b, "hybrid") in cells else None
             row.append(f"{ch['ngram'] / max(ch['ngram'] + ch['spark'], 1):.0%}" if ch else "")
+        if compare:
+            ref = cells.get((w, b, "off"))
+            same = [sum(x == y for x, y in zip(ref.answers, cells[w, b, s].answers)) if ref and (w, b, s) in cells
+                    else "-" for s in others]
+            row.append(f"{' · '.join(map(str, same))} of {len(ref.answers)}" if ref else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -318,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                 per_step = f"  {r.per_step:.2f} tok/step" if r.system in modes else ""
                 console.print(f"{w:5s} batch {b:3d} {r.system:8s} {r.tok_s:7.1f} tok/s{per_step}{won}")
             del llms, systems
-    md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]))
+    md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]), greedy=a.temperature == 0)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     compiled = ", compiled step" if a.compile else ""
     header = (f"{path.name}, {str(dtype).removeprefix('torch.')}{compiled}, {where}, temperature {a.temperature}, "

@@ -48,6 +48,22 @@ def test_the_command_writes_a_table_with_ratios(tmp_path):
     assert "off tok/s" in head and "ngram-fixed / off" in head and "ngram-fixed tok/step" in head
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["code", "1"] and float(cells[2]) > 0 and cells[4].endswith("x")
+    # float32 and greedy: the n-gram answers are off's, token for token
+    assert "answers as off's (ngram-fixed)" in head and cells[-1] == "2 of 2"
+
+
+def test_the_table_counts_the_answers_each_system_shares_with_off():
+    def result(system, answers):
+        return bench.Result(system, "code", 4, tokens=10, seconds=1.0, steps=2, answers=answers)
+
+    rows = [result("off", [[1, 2], [3], [4, 5]]), result("ngram", [[1, 2], [3, 9], [4, 5]]),
+            result("hybrid", [[1, 2], [3], [4, 5]]), bench.Result("hf", "code", 4, tokens=10, seconds=2.0,
+                                                                   answers=[[7], [3], [4, 5]])]
+    head, _, row = bench.render(rows, "off", greedy=True).splitlines()
+    assert head.strip("| ").endswith("answers as off's (ngram, hybrid, hf)")
+    assert row.strip("| ").endswith("2 · 3 · 2 of 3")
+    # sampling: answers differ by design, so no such column
+    assert "answers as off's" not in bench.render(rows, "off", greedy=False)
 
 
 def test_max_tokens_is_one_length_or_one_per_workload():
