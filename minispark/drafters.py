@@ -243,10 +243,11 @@ class SparkDrafter(nn.Module):
         """Draft a block for rows [0, R): anchor and lens [R], attending to the cached context
         before `lens` within the first `ctx` positions.
 
-        Returns tokens [R, g] (target ids), conf [R, g] (calibrated acceptance estimates along
-        the greedy path, which depends on the context alone) and, when sampling (temperature
-        [R] and uniforms u [R, g, Vd] given), the sampled tokens [R, g] with their draft
-        distributions q [R, g, Vd]. At temperature 0 rows, sampled = greedy."""
+        Returns (greedy, conf, q, sampled): the greedy tokens [R, g] (target ids), conf [R, g]
+        (calibrated acceptance estimates along the greedy path, which depends on the context
+        alone), and, when sampling (temperature [R] and uniforms u [R, g, Vd] given), the draft
+        distributions q [R, g, Vd] and the tokens sampled from them [R, g]; without sampling,
+        q is None and sampled is greedy (as on rows at temperature 0)."""
         R, g = anchor.shape[0], self.args.block
         kpos = torch.arange(ctx, device=lens.device)
         ctx_mask = (kpos[None, :] < lens[:, None])[:, None, :]  # [R, 1, C]

@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -115,13 +115,24 @@ class StepOut:
     n: Tensor  # [R] emitted count (0 for inactive rows)
     n_draft: Tensor  # [R] of those, drafted tokens accepted
     source: Tensor  # [R] index into SOURCES of the verified chain
-    finish: Tensor  # [R] 0 running, 1 stop, 2 length
+    finish: Tensor  # [R] 0 running, 1 stop, 2 length, 3 error (non-finite logits)
     survival: Tensor  # [R, K] survival of the chain each row verified (the trace shows it)
     ngram_a: Tensor  # [R, K] survival estimates of the n-gram chains the next step verifies
     spark_a: Tensor  # [R, K] and of this step's Spark chains (zeros when its pass was skipped)
     length: Tensor  # [R] drafted tokens verified
     ngram_seen: Tensor  # [R, 2] this step's n-gram proposal, verified or not, against the tokens
     # the step emitted: summed per-token estimates of the positions reached, and tokens agreeing
+
+    def to_host(self) -> tuple["StepOut", "torch.cuda.Event | None"]:
+        """On a GPU, start copying to (pinned) host memory behind the step on its stream and
+        return the copy with an event that marks it done: the host waits for this step's
+        results only, not for a step launched after it. On a CPU, itself and None."""
+        if self.tokens.device.type != "cuda":
+            return self, None
+        host = StepOut(*(getattr(self, f.name).to("cpu", non_blocking=True) for f in fields(self)))
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
 
 # ----------------------------------------------------------------------------- the device engine
@@ -144,6 +155,9 @@ class Engine:
     def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 32,
                  ngram: NgramDrafter | None = None, spark: SparkDrafter | None = None,
                  ngram_table: Tensor | None = None, draft_budget: int = 64, compile: bool = False):
+        for name, value in (("ngram_k", ngram_k), ("draft_budget", draft_budget)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.model, self.spec = model.requires_grad_(False), spec
         S, L = self.S, self.L = max_batch_size, max_seq_len
         dev = self.device = model.tok_embeddings.weight.device
@@ -153,9 +167,9 @@ class Engine:
             # (chat, batch 4: ngram / off 0.82x before, 0.95x after).
             torch.set_num_threads(torch.get_num_threads())
         self.ngram = (ngram or NgramDrafter(k=ngram_k)) if spec in ("ngram", "hybrid") else None
-        self.spark = spark.to(dev).requires_grad_(False).attach(model) if spec in ("spark", "hybrid") else None
         if spec in ("spark", "hybrid") and spark is None:
             raise ValueError(f'spec="{spec}" needs a Spark drafter for this model (drafter=PATH)')
+        self.spark = spark.to(dev).requires_grad_(False).attach(model) if spec in ("spark", "hybrid") else None
         self.K = max(self.ngram.k if self.ngram else 0, self.spark.args.block if self.spark else 0)
         self.draft_budget = draft_budget if self.K else 0
         check_memory(model, S, L, dev, self.spark)
@@ -496,8 +510,10 @@ class Plan(NamedTuple):
 
 
 class Launched(NamedTuple):
-    """A step in flight: its results, whose rows they are, how it was planned and timed."""
+    """A step in flight: its results (on the host once `copied` is done), whose rows they are,
+    how it was planned and timed."""
     out: StepOut
+    copied: "torch.cuda.Event | None"
     owners: list  # the request in each of rows [0, R) when the step launched (None: idle)
     plan: Plan
     clock: StepClock
@@ -743,17 +759,19 @@ class LLM:
                 yield from self._absorb(out, [slots[s] for s in admitted], admitted, True, est, count_step=False)
             launched = None
             if any(slots):
-                R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS), eng.S)
+                R = min(bucket(max(i for i, r in enumerate(slots) if r) + 1, ROWS + (eng.S,)), eng.S)
                 # A step still in flight (on a GPU) may add up to width + 1 tokens the host has not seen.
                 plan = self._plan(R, est, queued=bool(waiting), unseen=pending.plan.width + 1 if pending else 0)
                 sampling, filtered = randomness([r.params for r in slots[:R] if r])
                 with StepClock(eng.device) as clock:
                     out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass, filtered)
-                launched = Launched(out, list(slots[:R]), plan, clock)
+                launched = Launched(*out.to_host(), list(slots[:R]), plan, clock)
             # On a CPU the step is done when launch returns: reading it at once gives the next
             # plan estimates a step fresher.
             done, pending = (pending, launched) if self._overlap else (launched, None)
             if done:
+                if done.copied is not None:
+                    done.copied.synchronize()
                 if self._trace:
                     self._write_trace(done)
                 yield from self._absorb(done.out, done.owners, done.rows, done.plan.spark_pass, est)
@@ -956,12 +974,12 @@ class LLM:
         before = len(o.text)
         if tok not in self.tokenizer.special_ids:
             o.text += req.decoder.decode(self.tokenizer.decode_bytes([tok]))
-        for stop in req.params.stop:
-            at = o.text.find(stop, max(0, before - len(stop) + 1))
-            if at >= 0:
-                o.text = o.text[:at]
-                return True
-        return False
+        # One token may complete several stop strings: the text ends at the earliest.
+        found = [o.text.find(stop, max(0, before - len(stop) + 1)) for stop in req.params.stop]
+        found = [at for at in found if at >= 0]
+        if found:
+            o.text = o.text[: min(found)]
+        return bool(found)
 
     def _flush(self, req: _Request) -> str:
         """New text that is safe to show: hold back what could still become a stop string."""
@@ -1051,7 +1069,8 @@ def pad(x: Tensor, width: int) -> Tensor:
 
 def chain_width(K: int, budget: int, n_live: int) -> int:
     """The longest chain of a step. The query grid is R x (width + 1), so chains are capped at
-    twice a fair share of the budget (at least 8): attention must not grow as R x budget."""
+    twice a fair share of the budget (at least 8), rounded up to a width bucket (so at most
+    about four times the share): attention must not grow as R x budget."""
     return min(K, bucket(min(budget, max(8, 2 * budget // max(n_live, 1))), WIDTHS))
 
 

@@ -204,7 +204,9 @@ def price_of(a: Tensor, budget: int) -> Tensor:
     if budget <= 0:
         return a.new_tensor(float("inf"))
     flat = a.flatten()
-    return flat.topk(min(budget, flat.numel())).values[-1]
+    if budget > flat.numel():
+        return a.new_tensor(0.0)
+    return flat.topk(budget).values[-1]
 
 
 def net_value(a: Tensor, lam: Tensor) -> Tensor:

@@ -258,6 +258,26 @@ def test_stop_rules():
     assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
 
 
+def test_a_token_that_completes_several_stop_strings_ends_the_text_at_the_earliest():
+    from conftest import FLAT_COST, ByteTokenizer, tiny_pair
+
+    class Digits(ByteTokenizer):  # every token writes three characters: its id, zero-padded
+        def decode_bytes(self, ids: list[int]) -> bytes:
+            return "".join(f"{i:03d}" for i in ids if i < 256).encode()
+
+    llm = LLM.from_model(tiny_pair(initializer_range=0.02, vocab_size=128)[1], Digits(), spec="off",
+                         max_batch_size=1, max_seq_len=64, cost=FLAT_COST)
+    prompt = [104, 105, 106, 107] * 3
+    text = llm.generate([prompt], GREEDY)[0].text
+    # one token's three characters "xyz", neither "yz" nor "xy" seen before it: both complete
+    # with that token, and "xy", listed second, starts first
+    at = next(i for i in range(0, len(text), 3) if text[i + 1: i + 3] not in text[: i + 2]
+              and text[i: i + 2] not in text[: i + 1])
+    stops = [text[at + 1: at + 3], text[at: at + 2]]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=stops))[0]
+    assert out.finish_reason == "stop" and out.text == text[:at]
+
+
 def test_eos_as_first_token_and_cache_end():
     llm = tiny_llm("ngram", initializer_range=0.02, vocab_size=64, max_seq_len=40)
     prompt = [7, 8, 9] * 3
@@ -313,6 +333,34 @@ def test_bad_prompts_are_rejected_before_anything_runs(prompt, match):
 def test_unknown_spec():
     with pytest.raises(ValueError, match="unknown spec"):
         tiny_llm("nonsense")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(draft_budget=-1), "draft_budget must be an int >= 1"),
+    (dict(draft_budget=2.5), "draft_budget must be an int >= 1"),
+    (dict(ngram_k=0), "ngram_k must be an int >= 1"),
+])
+def test_bad_engine_sizes_are_named(kwargs, match):
+    from conftest import ByteTokenizer, tiny_pair
+
+    with pytest.raises(ValueError, match=match):
+        LLM.from_model(tiny_pair()[1], ByteTokenizer(), spec="ngram", max_batch_size=2, max_seq_len=64, **kwargs)
+
+
+def test_a_spark_engine_without_a_drafter_says_so():
+    from conftest import tiny_pair
+    from minispark.engine import Engine
+
+    with pytest.raises(ValueError, match="needs a Spark drafter"):
+        Engine(tiny_pair()[1], "spark", 2, 64, spark=None)
+
+
+def test_more_slots_than_the_largest_row_bucket_all_finish():
+    # Rows are stepped in buckets up to 512; a batch beyond it must still step its last rows.
+    llm = tiny_llm("off", max_batch_size=513, max_seq_len=16)
+    outs = llm.generate([[5, 6]] * 513, SamplingParams(temperature=0, max_tokens=3))
+    assert [len(o.token_ids) for o in outs] == [3] * 513
+    assert len({tuple(o.token_ids) for o in outs}) == 1  # the same prompt, the same answer in every row
 
 
 def test_a_stream_stopped_early_frees_its_slots():

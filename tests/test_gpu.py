@@ -69,3 +69,19 @@ def test_the_step_clock_reads_the_device_time_of_a_cuda_step():
     llm = LLM.from_model(net, ByteTokenizer(eos=2), spec="ngram", max_batch_size=4, max_seq_len=256)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert llm.cost.drift and all(abs(v) < 5 for v in llm.cost.drift.values())
+
+
+
+def test_a_steps_results_reach_the_host_once_their_copy_is_done():
+    from dataclasses import fields
+
+    from minispark.engine import StepOut
+
+    vals = [torch.arange(6, device="cuda").view(2, 3) + i for i, _ in enumerate(fields(StepOut))]
+    host, copied = StepOut(*vals).to_host()
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):  # the next step, queued behind the copy
+        x = x @ x / 64
+    copied.synchronize()
+    for f, v in zip(fields(StepOut), vals):
+        assert getattr(host, f.name).device.type == "cpu" and torch.equal(getattr(host, f.name), v.cpu())

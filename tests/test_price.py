@@ -175,6 +175,7 @@ def test_a_tight_budget_goes_to_the_likeliest_tokens():
     # Row 0's copy (0.95, 0.90, 0.86) and row 2's first token (0.9) take all four slots; row 1 waits.
     assert admit_top(a, 4).tolist() == [3, 0, 1]
     assert price_of(a, 4) == a[0, 2]
+    assert price_of(torch.tensor([[0.9, 0.5]]), 4) == 0  # fewer pairs than the budget: the rest are worth 0
     # With room for more, row 1 joins.
     assert admit_top(choose_chains(ngram, spark, budget=16)[1], 16)[1] > 0
 
