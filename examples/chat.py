@@ -38,9 +38,7 @@ class Chat:
     def switch(self, spec: str) -> None:
         if spec not in SPEC_MODES:
             raise ValueError(f"unknown spec {spec!r}; choose one of: {', '.join(SPEC_MODES)}")
-        old = self.llm
-        self.llm = LLM.from_model(old.engine.model, old.tokenizer, spec=spec, max_batch_size=1,
-                                  max_seq_len=old.engine.L, drafter=old.drafter)
+        self.llm = self.llm.with_spec(spec)
 
     def ask(self, text: str) -> None:
         """Stream one answer; Ctrl-C keeps what was said so far and returns to the prompt."""

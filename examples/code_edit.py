@@ -2,7 +2,7 @@
 
     python examples/code_edit.py                                   # a built-in sample
     python examples/code_edit.py my.py "rename foo to bar" --write  # edit a file in place
-    python examples/code_edit.py --spec off --compare                # speed-up against spec="off"
+    python examples/code_edit.py --spec ngram --compare              # speed-up against spec="off"
 
 The edited code streams in colour: n-gram copies in green, Spark drafts in blue, the target's
 own tokens in white. Then a unified diff against the input and a summary.
@@ -37,9 +37,12 @@ COLOURS = {"ngram": "green", "spark": "blue", "target": "default"}
 console = Console()
 
 
-def extract_code(answer: str) -> str:
-    """The first fenced code block of the answer (or the whole answer when there is none)."""
+def extract_code(answer: str, closed: bool = False) -> str | None:
+    """The first fenced code block of the answer: to show, one left open or the whole answer
+    will do; to write (`closed`), only a block whose fence closes, else None."""
     m = re.search(r"```[a-zA-Z0-9_+-]*\n(.*?)(```|$)", answer, re.S)
+    if closed and not (m and m.group(2)):
+        return None
     return (m.group(1) if m else answer).rstrip() + "\n"
 
 
@@ -55,7 +58,8 @@ def edit(llm: LLM, code: str, instruction: str, max_tokens: int, show: bool) -> 
     seconds = time.perf_counter() - start
     if show:
         console.print()
-    stats = {"tokens": len(out.token_ids), "steps": max(out.num_steps, 1), **out.accepted}
+    stats = {"tokens": len(out.token_ids), "steps": max(out.num_steps, 1), "finish": out.finish_reason,
+             **out.accepted}
     return out.text, seconds, stats
 
 
@@ -73,6 +77,7 @@ def main() -> int:
                     help="weights and activations (auto: bfloat16 where the hardware computes in it, "
                     "else float32, which is exact)")
     ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-seq-len", type=int, default=4096, help="prompt and answer, in tokens")
     ap.add_argument("--compare", action="store_true", help='also run spec="off" and report the speed-up')
     ap.add_argument("--write", action="store_true", help="save the edited code back to FILE")
     a = ap.parse_args()
@@ -92,8 +97,8 @@ def main() -> int:
     instruction = a.instruction or "Rename the function `count_words` to `word_counts`."
 
     with console.status("loading the model"):
-        llm = LLM(model=a.model, spec=a.spec, drafter=a.drafter, max_batch_size=1, max_seq_len=4096, dtype=a.dtype,
-                  trace=a.trace)
+        llm = LLM(model=a.model, spec=a.spec, drafter=a.drafter, max_batch_size=1, max_seq_len=a.max_seq_len,
+                  dtype=a.dtype, trace=a.trace)
     console.rule(f"[bold]{escape(instruction)}[/]  (spec={llm.engine.spec})")
     answer, seconds, stats = edit(llm, code, instruction, a.max_tokens, show=True)
     new = extract_code(answer)
@@ -107,13 +112,20 @@ def main() -> int:
                   f"{drafted / max(stats['tokens'], 1):.0%} drafted "
                   f"([green]n-gram {stats['ngram']}[/], [blue]Spark {stats['spark']}[/], target {stats['target']})")
     if a.compare:
-        base = LLM.from_model(llm.engine.model, llm.tokenizer, spec="off", max_batch_size=1, max_seq_len=4096)
+        base = LLM.from_model(llm.engine.model, llm.tokenizer, spec="off", max_batch_size=1, max_seq_len=a.max_seq_len)
         with console.status('running spec="off" for comparison'):
             _, off_seconds, off_stats = edit(base, code, instruction, a.max_tokens, show=False)
         console.print(f'spec="off": {off_stats["tokens"] / off_seconds:.1f} tok/s; '
                       f'speed-up [bold]{tok_s / (off_stats["tokens"] / off_seconds):.2f}x[/]')
     if a.write and path is not None:
-        path.write_text(new)
+        # Only a finished answer with a whole code block replaces the file: a cut-off block or
+        # a refusal in prose would lose the user's code.
+        whole = extract_code(answer, closed=True) if stats["finish"] == "stop" else None
+        if whole is None:
+            why = "was cut off at --max-tokens" if stats["finish"] == "length" else "holds no closed code block"
+            console.print(f"[red]not written:[/] the answer {why}; {escape(str(path))} is unchanged")
+            return 1
+        path.write_text(whole)
         console.print(f"wrote {path}")
     return 0
 

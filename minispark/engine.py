@@ -194,7 +194,7 @@ class Engine:
             # Each slot's n-gram proposal for its next step, drafted as soon as its history is
             # known (at the end of a step, in prefill), so the host plans with its estimates.
             self.ng_tok, self.ng_valid, self.ng_m = zeros(S, self.K), zeros(S), zeros(S)
-        self._step = self.decode_step
+        self._step, self.compiled = self.decode_step, compile
         if compile:
             # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -642,6 +642,16 @@ class LLM:
         for _ in self._run(reqs):
             pass
         return [r.out for r in reqs]
+
+    def with_spec(self, spec: str) -> "LLM":
+        """An LLM drafting with `spec` on this one's model, tokenizer, drafter, batch and length,
+        compiled if this one is, writing on to its trace. The model's KV cache is allocated
+        anew: use one of the two at a time (a chat's /spec switches this way)."""
+        llm = LLM.from_model(self.engine.model, self.tokenizer, spec=spec, max_batch_size=self.engine.S,
+                             max_seq_len=self.engine.L, seed=self.seed, compile=self.engine.compiled,
+                             drafter=self.drafter, adaptive=self.adaptive)
+        llm._trace = self._trace
+        return llm
 
     def stream(self, prompts, params=None) -> Iterator[Delta]:
         """Like `generate`, but yields each request's new text as its tokens are accepted."""

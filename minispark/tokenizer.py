@@ -97,8 +97,9 @@ class Tokenizer:
 
     @cached_property
     def special_ids(self) -> frozenset[int]:
-        """Ids whose text is markup (turn markers, EOS), left out of decoded output."""
-        return frozenset(self.specials.values())
+        """Ids whose text is markup (turn markers, EOS), left out of decoded output. Added tokens
+        that are not special (`always`: matched in any text, as a tool-call tag) are text."""
+        return frozenset(i for s, i in self.specials.items() if s not in self.always)
 
     @property
     def vocab_size(self) -> int:
@@ -162,9 +163,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _check_messages(messages)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token,
-                                     tools=None, documents=None)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token,
+                                         tools=None, documents=None)
+        except jinja2.TemplateError as e:  # raise_exception() in the template: these messages are refused
+            raise ValueError(f"the chat template refused these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), allow_special=True)

@@ -35,7 +35,12 @@ import torch
 import torch.nn.functional as F
 
 DATA = Path(__file__).parent / "data"
-LAYERS = (1, 8, 15, 22, 29)  # target layers whose hidden states feed the drafter
+
+
+def spread_layers(n_layers: int, k: int = 5) -> tuple[int, ...]:
+    """k target layers whose hidden states feed the drafter, spread from shallow to deep:
+    (1, 8, 15, 22, 29) of the demo model's 30."""
+    return tuple(sorted({min(n_layers - 1, round(1 + i * (n_layers - 2) / (k - 1))) for i in range(k)}))
 
 
 @dataclass
@@ -58,7 +63,10 @@ class Recipe:
     lr: float = 1e-3
     eval_every: int = 200
     max_steps: int | None = None
-    layers: tuple[int, ...] = LAYERS
+    layers: tuple[int, ...] | None = None  # None: spread_layers over the target's depth
+
+    def feature_layers(self, n_layers: int) -> tuple[int, ...]:
+        return self.layers or spread_layers(n_layers)
 
     def target(self, dtype: torch.dtype | None = None):
         """The target, frozen; dtype None = bfloat16 where the hardware computes in it, else
@@ -374,7 +382,8 @@ def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = ("text", "answ
                     old.unlink()
                 # Held-out scores and calibration anchor blocks in answers only (`start`), as the
                 # MT-Bench evaluation does: the fixed chat template is easy text no answer holds.
-                rows = [dict(doc_features(model, d["ids"], r.layers), held_out=d["held_out"], kind=kind,
+                rows = [dict(doc_features(model, d["ids"], r.feature_layers(model.args.n_layers)),
+                             held_out=d["held_out"], kind=kind,
                              start=d["start"]) for d in shard]
                 torch.save(rows, f.with_suffix(".tmp"))
                 f.with_suffix(".tmp").rename(f)
@@ -437,7 +446,8 @@ def new_drafter(target, corpus: Corpus, r: Recipe):
     """A drafter whose layers start as copies of the target's last layer, as do its norms."""
     from .drafters import SparkArgs, SparkDrafter
 
-    args = SparkArgs.for_target(target.args, target_layers=r.layers, block=r.block, rank=r.rank,
+    args = SparkArgs.for_target(target.args, target_layers=r.feature_layers(target.args.n_layers), block=r.block,
+                                rank=r.rank,
                                 draft_vocab=min(r.draft_vocab, target.args.vocab_size))
     d = SparkDrafter(args)
     src = target.layers[-1]
@@ -700,12 +710,12 @@ def stage_eval(dest: Path, r: Recipe, prompts: int = 80, max_tokens: int = 256) 
     convs = chat_prompts(prompts)
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=max_tokens))
     model = llm.engine.model
+    d = load_drafter(dest, model.args, torch.float32, r.device).attach(model)
     rows = []
     for conv, o in zip(convs, outs):
         prompt = llm.tokenizer.encode_chat(conv)
-        rows.append(dict(doc_features(model, (prompt + o.token_ids)[:1024], r.layers),
+        rows.append(dict(doc_features(model, (prompt + o.token_ids)[:1024], d.args.target_layers),
                          held_out=True, kind="answer", start=len(prompt)))
-    d = load_drafter(dest, model.args, torch.float32, r.device).attach(model)
     res = evaluate(d, Corpus(rows), n_docs=len(rows), anchors=16, width=1024)
     z, alive = res["conf_logit"], res["alive"]  # [N, g]
 
@@ -832,8 +842,9 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["data", "features", "fit", "calibrate", "ngram", "all", "eval"])
     ap.add_argument("--out", type=Path, default=Path("runs/spark"), help="work folder (default runs/spark)")
-    ap.add_argument("--dest", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
-                    help="drafter folder written by calibrate and ngram")
+    ap.add_argument("--dest", type=Path, default=None,
+                    help="drafter folder written by calibrate and ngram (default, for the demo model: "
+                    "checkpoints/smollm2-135m-instruct; required with --model)")
     ap.add_argument("--model", default=None, help="the target: a checkpoint folder or .gguf (default: the demo model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kinds", default="text,answer", help="documents for the features stage")
@@ -841,6 +852,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init", type=Path, default=None,
                     help="fit: start from this drafter folder (e.g. the shipped one) when --out has no checkpoint")
     args = ap.parse_args(argv)
+    if args.dest is None:
+        if args.model is not None and args.stage in ("calibrate", "ngram", "all", "eval"):
+            ap.error("--dest is required with --model: the default folder holds the demo model's drafter")
+        args.dest = Path("checkpoints/smollm2-135m-instruct")
     torch.manual_seed(0)
     r = Recipe(model=args.model, device=args.device)
     run(args.stage, args.out, args.dest, r, args.minutes, tuple(args.kinds.split(",")), args.init)

@@ -64,9 +64,12 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
 
 def from_hf(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """Rename (and fuse q/k/v of) a Hugging Face Llama state dict into minispark's names."""
+    used = set()
+
     def take(name: str) -> Tensor:
         if name not in sd:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
+        used.add(name)
         return sd[name]
 
     def cat(names: list[str]) -> Tensor:
@@ -96,6 +99,14 @@ def from_hf(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
         out[ms + "feed_forward.w2.weight"] = take(f"{hf}mlp.down_proj.weight")
         out[ms + "attention_norm.weight"] = take(f"{hf}input_layernorm.weight")
         out[ms + "ffn_norm.weight"] = take(f"{hf}post_attention_layernorm.weight")
+    # A tensor left over is a part this model does not have (MLP biases, q/k norms, ...):
+    # running without it would give wrong outputs, silently.
+    spare = {"lm_head.weight"} if args.tie_embeddings else set()
+    unused = sorted(k for k in sd if k not in used and k not in spare and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"checkpoint has {len(unused)} tensors minispark's Llama-family model has no place for "
+                         f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); it runs Llama, Qwen2 "
+                         f"and SmolLM checkpoints (gated MLP without biases, q/k/v biases at most)")
     return out
 
 

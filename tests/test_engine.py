@@ -417,6 +417,23 @@ def test_trace_accounts_for_every_decoded_token(tmp_path):
     assert all(step["ms"] > 0 for step in steps)  # every step's own time, as the cost table saw it
 
 
+def test_a_spec_switch_keeps_the_model_settings_and_the_trace(tmp_path):
+    from conftest import FLAT_COST, ByteTokenizer, tiny_pair
+
+    _, net = tiny_pair(0, initializer_range=0.02, vocab_size=64)
+    path = tmp_path / "trace.jsonl"
+    llm = LLM.from_model(net, ByteTokenizer(), spec="off", max_batch_size=2, max_seq_len=128, cost=FLAT_COST,
+                         trace=str(path), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    before = llm.generate([[5, 6, 7, 8] * 3], params)[0]
+    lines = len(path.read_text().splitlines())
+    ngram = llm.with_spec("ngram")
+    assert (ngram.engine.spec, ngram.engine.S, ngram.engine.L, ngram.seed) == ("ngram", 2, 128, 7)
+    after = ngram.generate([[5, 6, 7, 8] * 3], params)[0]
+    assert after.token_ids == before.token_ids  # lossless across the switch
+    assert len(path.read_text().splitlines()) == lines + after.num_steps  # the trace goes on
+
+
 def test_non_finite_logits_stop_only_the_affected_request():
     """A NaN in one token's embedding breaks only the requests that read that token: they end
     with finish_reason "error" and a message; the others are unaffected."""

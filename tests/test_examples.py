@@ -89,6 +89,8 @@ def test_chat_in_a_terminal():
         t.type("/spec [/x]")  # text that looks like rich markup is shown as typed
         pane = t.wait("error line", lambda p: "unknown spec" in p and at_prompt(p))
         assert "error: unknown spec '[/x]'" in pane
+        t.type("/spec ngram")  # the rest of the chat drafts with n-grams on the same model
+        t.wait("spec switched", lambda p: "(spec=ngram)" in p and at_prompt(p))
 
         t.type("word " * 300)  # longer than the cache: one error line, and the chat goes on
         pane = t.wait("error line", lambda p: "more than max_seq_len" in p and at_prompt(p))
@@ -173,6 +175,15 @@ def test_code_edit_writes_only_its_file(tmp_path):
         assert new != SOURCE and new.endswith("\n")
         added = [ln[1:] for ln in out.split("+++ after")[1].splitlines() if ln.startswith("+")]
         assert added and all(ln.rstrip() in {x.rstrip() for x in new.splitlines()} for ln in added), (added, new)
+
+
+def test_code_edit_does_not_write_an_answer_cut_short(tmp_path):
+    target = tmp_path / "stats.py"
+    target.write_text(SOURCE)
+    r = run(EDIT, str(target), "Rename `mean` to `average`.", "--write", "--max-tokens", "12")
+    assert r.returncode == 1
+    assert "not written" in r.stdout and "cut off at --max-tokens" in r.stdout
+    assert target.read_text() == SOURCE
 
 
 # ----------------------------------------------------------------------------- mistakes

@@ -202,6 +202,14 @@ def test_special_ids(tok, hf):
     assert tok.stop_ids[0] == tok.eos_id and len(set(tok.stop_ids)) == len(tok.stop_ids)
 
 
+def test_added_tokens_that_are_not_special_are_text():
+    t = Tokenizer({bytes([b]): b for b in range(256)}, {"<eos>": 256, "<tool_call>": 257}, LLAMA3_PAT, eos="<eos>",
+                  always={"<tool_call>"})
+    assert t.encode("a<tool_call>") == [97, 257]  # matched in any text
+    assert t.special_ids == {256}  # so the engine writes it into answers, as decode does
+    assert t.decode([257, 120]) == "<tool_call>x"
+
+
 def test_decode_bytes_streams_partial_utf8(tok):
     ids = tok.encode("😀")
     assert len(ids) > 1  # the emoji is split mid-character
@@ -239,7 +247,7 @@ def test_chat_template_raise_exception():
                   chat_template="{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
                                 "{{ messages[0]['content'] | tojson }}{{ eos_token }}")
     assert t.apply_chat_template([{"role": "user", "content": "é"}]) == '"é"<eos>'
-    with pytest.raises(Exception, match="one message only"):
+    with pytest.raises(ValueError, match="the chat template refused these messages: one message only"):
         t.apply_chat_template([{"role": "user", "content": "a"}] * 2)
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer({bytes([b]): b for b in range(256)}, {"<eos>": 256}, LLAMA3_PAT, eos="<eos>").apply_chat_template([])

@@ -190,3 +190,18 @@ def test_the_mt_bench_evaluation_reports_acceptance_and_calibration(toy_drafter)
     assert all(0 <= x <= 1 for x in report["slot_acceptance"] + report["survival_ece"])
     assert len(report["survival_ece_uncalibrated"]) == g
     assert (toy_drafter / "mt_bench.json").exists()
+
+
+def test_feature_layers_spread_over_any_depth():
+    assert train.spread_layers(30) == (1, 8, 15, 22, 29)  # the shipped drafter's
+    for n in range(1, 50):
+        layers = train.Recipe().feature_layers(n)
+        assert layers == tuple(sorted(set(layers))) and 0 <= layers[0] and layers[-1] == n - 1
+    assert train.Recipe(layers=(0, 2)).feature_layers(30) == (0, 2)
+
+
+def test_another_target_needs_its_own_dest(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["calibrate", "--model", "/some/other/model.gguf"])
+    assert "--dest is required with --model" in capsys.readouterr().err
+

@@ -218,6 +218,19 @@ def test_missing_and_misshapen_tensors_are_named(hf_folder):
         load_model(folder)
 
 
+@pytest.mark.parametrize("family", ["llama with mlp_bias", "qwen3"])
+def test_a_checkpoint_with_parts_the_model_lacks_is_refused(family):
+    # Loading without them would run, and give wrong logits (MLP biases: off by ~1 on a tiny model).
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    cfg = (transformers.LlamaConfig(mlp_bias=True, **sizes) if family.startswith("llama")
+           else transformers.Qwen3Config(head_dim=8, **sizes))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    part = "mlp.down_proj.bias" if family.startswith("llama") else "self_attn.k_norm.weight"
+    with pytest.raises(ValueError, match=rf"no place for \(model\.layers\.0\.{part.replace('.', '[.]')}"):
+        build_model(weights.args_from_hf_config(cfg.to_dict()), hf.state_dict(), torch.float32, "cpu")
+
+
 # ---------------------------------------------------------------------------------------------
 # GGUF files
 
