@@ -579,6 +579,8 @@ class LLM:
         if compile is None:  # one graph per step on a GPU; on a CPU compiling costs more than it gives
             compile = torch.device(device).type == "cuda"
         net, path = load_model(model, dtype=torch_dtype, device=device)
+        if drafter is not None and not Path(drafter).expanduser().is_dir():  # even where the mode needs none
+            raise ValueError(f"drafter folder {drafter} not found (a folder made by `python -m minispark.train`)")
         if drafter is None and model is None:
             drafter = DEMO_DRAFTER
         if spec is None:  # the best mode available: hybrid needs a drafter trained for this model

@@ -852,6 +852,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init", type=Path, default=None,
                     help="fit: start from this drafter folder (e.g. the shipped one) when --out has no checkpoint")
     args = ap.parse_args(argv)
+    unknown = set(args.kinds.split(",")) - {"text", "answer"}
+    if unknown:
+        ap.error(f"--kinds {args.kinds!r}: unknown {', '.join(sorted(unknown))}; choose from text, answer")
     if args.dest is None:
         if args.model is not None and args.stage in ("calibrate", "ngram", "all", "eval"):
             ap.error("--dest is required with --model: the default folder holds the demo model's drafter")

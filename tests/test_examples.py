@@ -202,6 +202,7 @@ MISTAKES = {  # id: (script, args, words the one error line must contain)
     "edit-max-tokens": (EDIT, ["--max-tokens", "0"], ["--max-tokens"]),
     "edit-write-no-file": (EDIT, ["--write"], ["--write", "FILE"]),
     "edit-dtype": (EDIT, ["--dtype", "int8"], ["--dtype", "int8"]),
+    "chat-drafter": (CHAT, ["--spec", "ngram", "--drafter", "/nonexistent/drafter"], ["/nonexistent/drafter", "not found"]),
 }
 
 

@@ -205,3 +205,9 @@ def test_another_target_needs_its_own_dest(capsys):
         train.main(["calibrate", "--model", "/some/other/model.gguf"])
     assert "--dest is required with --model" in capsys.readouterr().err
 
+
+def test_an_unknown_document_kind_is_named(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["features", "--kinds", "answr"])
+    assert "unknown answr" in capsys.readouterr().err
+
