@@ -264,9 +264,17 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             return cls.from_hf_folder(path)
-        if path.suffix == ".gguf":
+        if path.suffix == ".gguf" or _is_gguf(path):
             return cls.from_gguf(path)
         raise ValueError(f"{path}: expected a .gguf file or a folder with tokenizer.json / tokenizer.model")
+
+
+def _is_gguf(path: Path) -> bool:
+    """A GGUF file by its magic, whatever its name (the model loader reads it so)."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _pattern_from_hf(pre: dict | None) -> str:

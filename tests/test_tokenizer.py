@@ -339,3 +339,13 @@ def test_unsupported_tokenizers(tmp_path):
         Tokenizer.from_hf_folder(tmp_path)
     with pytest.raises(ValueError, match="expected a .gguf file"):
         Tokenizer.from_path(tmp_path / "wp" / "tokenizer.json")
+
+
+def test_a_gguf_named_otherwise_is_read_by_its_magic(tok, tmp_path):
+    link = tmp_path / "smollm.bin"
+    link.symlink_to(DEMO_DIR / DEMO_NAME)
+    assert Tokenizer.from_path(link).encode("def f(x):") == tok.encode("def f(x):")
+    (tmp_path / "notes.bin").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="expected a .gguf file"):
+        Tokenizer.from_path(tmp_path / "notes.bin")
+
