@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 DATA = Path(__file__).parent / "data"
+KINDS = ("text", "answer")  # documents the features stage reads: text the target reads, its answers
 
 
 def spread_layers(n_layers: int, k: int = 5) -> tuple[int, ...]:
@@ -356,7 +357,7 @@ def doc_features(model, ids: list[int], layers: tuple[int, ...]) -> dict[str, to
             "top_ids": top.indices.to(torch.int32).cpu(), "top_p": top.values.to(torch.float16).cpu()}
 
 
-def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = ("text", "answer"), shard_docs: int = 200) -> None:
+def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = KINDS, shard_docs: int = 200) -> None:
     """Target features of every document, in shards of `shard_docs`; a rerun skips full shards
     already written (answers may have grown since)."""
     from rich.progress import Progress
@@ -847,24 +848,25 @@ def main(argv: list[str] | None = None) -> None:
                     "checkpoints/smollm2-135m-instruct; required with --model)")
     ap.add_argument("--model", default=None, help="the target: a checkpoint folder or .gguf (default: the demo model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--kinds", default="text,answer", help="documents for the features stage")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="documents for the features stage")
     ap.add_argument("--minutes", type=float, default=20.0, help="time for the data stage and for the fit stage")
     ap.add_argument("--init", type=Path, default=None,
                     help="fit: start from this drafter folder (e.g. the shipped one) when --out has no checkpoint")
     args = ap.parse_args(argv)
-    unknown = set(args.kinds.split(",")) - {"text", "answer"}
+    kinds = tuple(args.kinds.split(","))
+    unknown = set(kinds) - set(KINDS)
     if unknown:
-        ap.error(f"--kinds {args.kinds!r}: unknown {', '.join(sorted(unknown))}; choose from text, answer")
+        ap.error(f"--kinds {args.kinds!r}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KINDS)}")
     if args.dest is None:
         if args.model is not None and args.stage in ("calibrate", "ngram", "all", "eval"):
             ap.error("--dest is required with --model: the default folder holds the demo model's drafter")
         args.dest = Path("checkpoints/smollm2-135m-instruct")
     torch.manual_seed(0)
     r = Recipe(model=args.model, device=args.device)
-    run(args.stage, args.out, args.dest, r, args.minutes, tuple(args.kinds.split(",")), args.init)
+    run(args.stage, args.out, args.dest, r, args.minutes, kinds, args.init)
 
 
-def run(stage: str, out: Path, dest: Path, r: Recipe, minutes: float, kinds: tuple[str, ...] = ("text", "answer"),
+def run(stage: str, out: Path, dest: Path, r: Recipe, minutes: float, kinds: tuple[str, ...] = KINDS,
         init: Path | None = None) -> None:
     """One stage, or all of them in order."""
     if stage in ("data", "all"):
