@@ -568,7 +568,7 @@ def stage_fit(out: Path, r: Recipe, minutes: float, init: Path | None = None) ->
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     d = starting_drafter(target, train, r, ckpt, init).attach(target)
     print(f"{len(train)} training documents ({len(train.ids):,} tokens), {len(held)} held out; the draft "
-          f"vocabulary covers {(d.t2d.cpu()[train.ids] < d.args.draft_vocab).float().mean():.1%} of training tokens")
+          f"vocabulary covers {(d.t2d.cpu()[train.ids.cpu()] < d.args.draft_vocab).float().mean():.1%} of training tokens")
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if ckpt is not None:

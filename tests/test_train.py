@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def toy_drafter(tmp_path_factory) -> Path:
-    """scripts/train_gpu.py at toy size on the CPU: every stage, on the demo model."""
+    """scripts/train_gpu.py at toy size, every stage on the demo model (on a GPU where there is
+    one, so that a GPU test run covers the script's device paths)."""
     dest = tmp_path_factory.mktemp("drafter")
     subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), str(dest), "--toy"], check=True,
                    capture_output=True, text=True, timeout=600)
@@ -211,3 +212,10 @@ def test_an_unknown_document_kind_is_named(capsys):
         train.main(["features", "--kinds", "answr"])
     assert "unknown answr" in capsys.readouterr().err
 
+
+
+def test_the_gpu_script_refuses_an_init_that_is_no_drafter(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), str(tmp_path / "d"), "--toy",
+                           "--init", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "no spark.json there" in done.stderr
+    assert not (tmp_path / "d").exists()  # refused before any stage ran
