@@ -5,7 +5,7 @@
     python examples/code_edit.py --spec ngram --compare              # speed-up against spec="off"
 
 The edited code streams in colour: n-gram copies in green, Spark drafts in blue, the target's
-own tokens in white. Then a unified diff against the input and a summary.
+own tokens in the terminal's default colour. Then a unified diff against the input and a summary.
 """
 from __future__ import annotations
 

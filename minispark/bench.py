@@ -345,6 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"{path.name}, {str(dtype).removeprefix('torch.')}{compiled}, {where}, temperature {a.temperature}, "
               f"{a.n} prompts, answers of at most {', '.join(f'{n} ({w})' for w, n in max_tokens.items())} tokens, "
               f"torch {torch.__version__}")
+    if peers:
+        import transformers
+
+        header += f", transformers {transformers.__version__}"
     table = Table(title=header)
     for line in md.splitlines()[:1]:
         for col in line.strip("|").split("|"):

@@ -894,7 +894,7 @@ class LLM:
         """Accepted over expected tokens of the drafter's recent chains, at the positions they
         reached (every earlier token accepted), expected being the sum of per-token estimates
         there. Its estimates were calibrated on its training text, and a workload unlike that
-        text makes them optimistic (the shipped Spark drafter: first-slot acceptance 0.32 on
+        text makes them optimistic (an earlier Spark drafter: first-slot acceptance 0.32 on
         MT-Bench, 0.49 estimated) or pessimistic (n-gram copies in a code edit); the plan scales
         each per-token estimate by this ratio (`price.trusted`), so that an error compounds
         along a chain as it does in the chain's survival. n-gram proposals count whether
