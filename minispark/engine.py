@@ -655,6 +655,19 @@ class LLM:
         llm._trace = self._trace
         return llm
 
+    def close(self) -> None:
+        """Close the trace file (shared with the LLMs `with_spec` made from this one, whose
+        traces end with it); the LLM goes on working without a trace. Also `with LLM(...) as llm:`."""
+        if self._trace is not None:
+            self._trace.close()
+        self._trace = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stream(self, prompts, params=None) -> Iterator[Delta]:
         """Like `generate`, but yields each request's new text as its tokens are accepted."""
         yield from self._run(self._make_requests(prompts, params))

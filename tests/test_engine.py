@@ -434,6 +434,22 @@ def test_a_spec_switch_keeps_the_model_settings_and_the_trace(tmp_path):
     assert len(path.read_text().splitlines()) == lines + after.num_steps  # the trace goes on
 
 
+def test_closing_an_llm_closes_its_trace_and_it_goes_on_without_one(tmp_path):
+    from conftest import FLAT_COST, ByteTokenizer, tiny_pair
+
+    _, net = tiny_pair(0, initializer_range=0.02, vocab_size=64)
+    path = tmp_path / "trace.jsonl"
+    params = SamplingParams(temperature=0, max_tokens=12)
+    with LLM.from_model(net, ByteTokenizer(), spec="ngram", max_batch_size=2, max_seq_len=128, cost=FLAT_COST,
+                        trace=str(path)) as llm:
+        first = llm.generate([[5, 6, 7, 8] * 3], params)[0]
+        trace = llm._trace
+    assert trace.closed and len(path.read_text().splitlines()) == first.num_steps
+    assert llm.generate([[5, 6, 7, 8] * 3], params)[0].token_ids == first.token_ids
+    assert len(path.read_text().splitlines()) == first.num_steps  # nothing written after close
+    llm.close()  # twice is fine
+
+
 def test_non_finite_logits_stop_only_the_affected_request():
     """A NaN in one token's embedding breaks only the requests that read that token: they end
     with finish_reason "error" and a message; the others are unaffected."""
