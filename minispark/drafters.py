@@ -38,10 +38,9 @@ class NgramDrafter:
         n = min(self.n_max, C)
         back = torch.arange(n, device=dev)
         last = tokens.gather(1, (hist_len[:, None] - 1 - back).clamp(min=0))  # [R, n]: i-th token from the end
-        match, run = torch.zeros_like(tokens), torch.ones_like(tokens, dtype=torch.bool)  # [R, C]
-        for i in range(n):  # run: the tokens ending at p match the last i + 1 (-1 before the start)
-            run &= F.pad(tokens, (i, 0), value=-1)[:, :C] == last[:, i: i + 1]
-            match += run
+        before = torch.stack([F.pad(tokens, (i, 0))[:, :C] for i in range(n)], dim=1)  # [R, n, C]: at p - i
+        same = (before == last[:, :, None]) & (pos[:, None, :] >= back[None, :, None])
+        match = same.long().cumprod(1).sum(1)  # [R, C]
         # A window ending at p leaves a following token inside the history when p + 1 < hist_len
         # (its continuation may run into the suffix itself: overlapping repeats copy fine).
         match = torch.where((pos < hist_len[:, None] - 1) & (match >= self.n_min), match, 0)
