@@ -260,21 +260,30 @@ class Tokenizer:
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
-        """A .gguf file or a Hugging Face model folder."""
-        path = Path(path)
+        """A .gguf file or a Hugging Face model folder (`model_source`, as the model loader reads it)."""
+        path = model_source(path)
         if path.is_dir():
             return cls.from_hf_folder(path)
-        if path.suffix == ".gguf" or _is_gguf(path):
+        if path.suffix == ".gguf" or is_gguf(path):
             return cls.from_gguf(path)
         raise ValueError(f"{path}: expected a .gguf file or a folder with tokenizer.json / tokenizer.model")
 
 
-def _is_gguf(path: Path) -> bool:
-    """A GGUF file by its magic, whatever its name (the model loader reads it so)."""
+def is_gguf(path: Path) -> bool:
+    """A GGUF file by its magic, whatever its name."""
     if not path.is_file():
         return False
     with path.open("rb") as f:
         return f.read(4) == b"GGUF"
+
+
+def model_source(path: str | Path) -> Path:
+    """Where a model and its tokenizer are read from, one rule for both: a folder, or a GGUF
+    file; a file inside a Hugging Face folder (config.json, a shard) means the folder."""
+    path = Path(path).expanduser()
+    if path.is_file() and not is_gguf(path) and (path.parent / "config.json").is_file():
+        return path.parent
+    return path
 
 
 def _pattern_from_hf(pre: dict | None) -> str:

