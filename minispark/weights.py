@@ -473,6 +473,8 @@ def load_drafter(folder: str | Path, target: ModelArgs, dtype: torch.dtype, devi
         raise ValueError(f"{folder / 'spark.json'} does not describe a Spark drafter: {e}") from None
     sd = _read_safetensors(folder / "spark.safetensors")
     expected = drafter.state_dict()
+    if "conf_temp" in sd and "conf_bias" not in sd:  # a drafter calibrated by temperature alone
+        sd["conf_bias"] = torch.zeros_like(sd["conf_temp"])
     if set(sd) != set(expected):
         raise ValueError(f"{folder / 'spark.safetensors'} holds tensors {sorted(set(sd) ^ set(expected))[:4]} "
                          f"that do not match its spark.json")

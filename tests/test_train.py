@@ -103,19 +103,27 @@ def test_training_steps_lower_the_loss():
 
 
 def test_a_run_can_go_on_from_a_shipped_drafter_with_its_calibration_undone(tmp_path):
-    from minispark.weights import save_drafter
+    from safetensors.torch import load_file, save_file
+
+    from minispark.weights import load_drafter, save_drafter
 
     net, corpus, _ = tiny_corpus()
     r = train.Recipe(draft_vocab=64, block=4, rank=16, layers=(0, 2))
     shipped = train.new_drafter(net, corpus, r)
     torch.nn.init.normal_(shipped.markov_in.weight, std=0.5)  # unlike any new drafter
     shipped.conf_temp.fill_(3.0)
+    shipped.conf_bias.fill_(-0.5)
     save_drafter(tmp_path, shipped, net.args)
     d = train.starting_drafter(net, corpus, r, None, tmp_path)
     for name, t in shipped.state_dict().items():
-        if name != "conf_temp":
+        if name not in ("conf_temp", "conf_bias"):
             assert torch.equal(d.state_dict()[name].float(), t.to(torch.bfloat16).float()), name
-    assert (d.conf_temp == 1).all()
+    assert (d.conf_temp == 1).all() and (d.conf_bias == 0).all()
+    sd = load_file(tmp_path / "spark.safetensors")
+    del sd["conf_bias"]  # a drafter saved before the shift existed
+    save_file(sd, tmp_path / "spark.safetensors")
+    old = load_drafter(tmp_path, net.args, torch.float32, "cpu")
+    assert (old.conf_bias == 0).all() and (old.conf_temp == 3).all()
     fresh = train.starting_drafter(net, corpus, r, None, None)
     assert not torch.equal(fresh.markov_in.weight, d.markov_in.weight)
     ckpt = {"args": d.args.__dict__, "model": fresh.state_dict()}
@@ -123,15 +131,44 @@ def test_a_run_can_go_on_from_a_shipped_drafter_with_its_calibration_undone(tmp_
                        fresh.markov_in.weight)  # the run's own checkpoint comes first
 
 
-def test_sequential_temperatures_fix_overconfidence():
+def test_sequential_calibration_fixes_overconfidence():
     g = torch.Generator().manual_seed(0)
     true_logit = torch.randn(4000, 5, generator=g)
     accepted = torch.rand(4000, 5, generator=g) < torch.sigmoid(true_logit)
     alive = accepted.long().cumprod(-1).float()
-    temps, before, after = train.fit_temperatures(3 * true_logit, alive)  # three times too confident
+    temps, bias, before, after = train.fit_calibration(3 * true_logit, alive)  # three times too confident
     assert all(a <= b + 1e-9 for a, b in zip(after, before))
     assert after[0] < 0.03 < before[0]
-    assert 2.0 < temps[0] < 4.5
+    assert 2.0 < temps[0] < 4.5 and abs(bias[0]) < 0.5
+
+
+def test_a_shift_corrects_what_a_temperature_cannot():
+    # Confident drafts on text the drafter has not seen: scored 0.6-0.9, accepted a third of the
+    # time. A temperature only pulls a confidence toward 1/2, still too high; a shift lowers it.
+    g = torch.Generator().manual_seed(0)
+    z = 0.5 + 1.7 * torch.rand(6000, 3, generator=g)
+    alive = (torch.rand(6000, 3, generator=g) < 0.33).long().cumprod(-1).float()
+    no_shift = train.fit_calibration(z, alive, bias_grid=torch.zeros(1))
+    temps, bias, before, after = train.fit_calibration(z, alive)
+    assert no_shift[3][0] > 0.15 and after[0] < 0.03
+    assert bias[0] < -0.3
+
+
+def test_calibration_takes_unseen_answers_to_self_written_requests(tmp_path):
+    rows = [{"kind": "answer", "held_out": i % 3 == 0, "own": i % 2 == 0, "ids": torch.arange(20, dtype=torch.int32),
+             "feats": torch.zeros(20, 2, 4), "top_ids": torch.zeros(20, 2, dtype=torch.int32),
+             "top_p": torch.zeros(20, 2), "start": 5} for i in range(300)]
+    (tmp_path / "features").mkdir()
+    torch.save(rows, tmp_path / "features" / "answer-0000-300.pt")
+    held, what = train.calibration_corpus(tmp_path, None)
+    assert len(held) == 50 and what.startswith("50 answers to self-written")  # held out and own
+    mine, _ = train.calibration_corpus(tmp_path, tmp_path)  # another run's drafter: none of them seen
+    assert len(mine) == 150
+    for r in rows:
+        r["own"] = False  # no self-written requests: all held-out answers
+    torch.save(rows, tmp_path / "features" / "answer-0000-300.pt")
+    held, what = train.calibration_corpus(tmp_path, None)
+    assert len(held) == 100 and what == "100 held-out answers"
 
 
 def test_ngram_replay_and_table():
