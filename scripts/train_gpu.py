@@ -57,7 +57,7 @@ def main() -> None:
         minutes = scale * (TOY_MINUTES if a.toy else GPU_MINUTES).get(stage, 0)
         if stage == "fit" and not a.toy:
             minutes = max(0.5, min(minutes, a.minutes - scale * AFTER_FIT_MINUTES - (t - start) / 60))
-        run(stage, work, a.dest, r, minutes, init=a.init)
+        run(stage, work, a.dest, r, minutes, init=a.init if stage == "fit" else None)  # calibrate the fit's drafter
         print(f"stage {stage}: {time.time() - t:.0f} s", flush=True)
     print(f"drafter written to {a.dest} in {(time.time() - start) / 60:.1f} minutes")
 
