@@ -444,10 +444,15 @@ def feature_rows(out: Path) -> list[dict]:
     return rows
 
 
-def load_corpus(out: Path) -> tuple[Corpus, Corpus]:
-    rows = feature_rows(out)
-    if not any(r["held_out"] and r["kind"] == "answer" for r in rows):  # tiny runs: hold out one answer
+def hold_out_one(rows: list[dict]) -> list[dict]:
+    """Tiny runs, where the stable split holds out no answer: hold out the last one."""
+    if not any(r["held_out"] and r["kind"] == "answer" for r in rows):
         next(r for r in reversed(rows) if r["kind"] == "answer")["held_out"] = True
+    return rows
+
+
+def load_corpus(out: Path) -> tuple[Corpus, Corpus]:
+    rows = hold_out_one(feature_rows(out))
     return Corpus([r for r in rows if not r["held_out"]]), Corpus([r for r in rows if r["held_out"]])
 
 
@@ -689,9 +694,9 @@ def fit_calibration(conf_logit: torch.Tensor, alive: torch.Tensor,
         return torch.sigmoid(conf_logit[:, : k + 1] / temps[: k + 1] + bias[: k + 1]).prod(-1)
 
     before = [ece(survival(k), alive[:, k]) for k in range(g)]
+    pairs = [(t, b) for t in temps_grid for b in bias_grid]
     for k in range(g):
         prefix = survival(k - 1) if k else torch.ones(len(conf_logit))
-        pairs = [(t, b) for t in temps_grid for b in bias_grid]
         scores = [log_loss(prefix * torch.sigmoid(conf_logit[:, k] / t + b), alive[:, k]) for t, b in pairs]
         temps[k], bias[k] = pairs[int(torch.tensor(scores).argmin())]
     return temps, bias, before, [ece(survival(k), alive[:, k]) for k in range(g)]
@@ -711,7 +716,7 @@ def calibration_corpus(out: Path, init: Path | None) -> tuple[Corpus, str]:
     own = [r for r in rows if r.get("own", False) and (init is not None or r["held_out"])]
     if len(own) >= MIN_OWN:
         return Corpus(own), f"{len(own)} answers to self-written requests"
-    held = [r for r in rows if r["held_out"]] or rows[-1:]
+    held = [r for r in hold_out_one(rows) if r["held_out"]]
     return Corpus(held), f"{len(held)} held-out answers"
 
 
@@ -723,11 +728,13 @@ def stage_calibrate(out: Path, dest: Path, r: Recipe, init: Path | None = None) 
     target, _ = r.target(torch.float32 if r.device == "cpu" else torch.bfloat16)
     held, what = calibration_corpus(out, init)
     if init is None:
-        step = torch.load(out / "best.pt", weights_only=False)["step"]
-        d = _drafter_from(torch.load(out / "best.pt", weights_only=False)).to(r.device)
+        best = torch.load(out / "best.pt", weights_only=False)
+        d, step, fit_report = _drafter_from(best).to(r.device), best["step"], None
     else:
         d = load_drafter(init, target.args, torch.float32, r.device)
-        step = json.loads((init / "spark.json").read_text()).get("report", {}).get("training_step")
+        old = json.loads((init / "spark.json").read_text()).get("report", {})
+        fit_report = old.get("fit_report", old)  # the fit's own report, kept beside the new calibration
+        step = fit_report.get("training_step")
     d.attach(target).requires_grad_(False)
     print(f"calibrating on {what}")
     half = max(1, len(held) // 2)
@@ -747,9 +754,8 @@ def stage_calibrate(out: Path, dest: Path, r: Recipe, init: Path | None = None) 
         "survival_ece_after": [round(x, 4) for x in after],
         "training_step": step,
     }
-    if init is not None:  # the fit's own report, from its folder, kept beside the new calibration
-        old = json.loads((init / "spark.json").read_text()).get("report", {})
-        report["fit_report"] = old.get("fit_report", old)
+    if fit_report is not None:
+        report["fit_report"] = fit_report
     save_drafter(dest, d, target.args, report)
     print(json.dumps(report, indent=1))
     return report
