@@ -125,20 +125,30 @@ class Attention(nn.Module):
         return self.wo(out[b.cell.clamp(max=R * Q - 1)])  # [T, dim]; padding reads any cell
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+# Whether this CPU has AMX, whose tile kernels make the grouped-query attention kernel the
+# faster one at some grid widths (see `attend`).
+CPU_HAS_AMX = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, stack: bool | None = None) -> Tensor:
     """Attention of a query grid q [R, Q, H, D] over keys and values [R, Hkv, C, D] under mask
     [R, 1, Q, C]; returns [R, Q, H, D].
 
-    On a CPU, a grid of 2 to 9 columns (a slot verifying a few drafts; Spark's block) runs as
-    one plain attention with the G query heads of each key head stacked along the query axis,
-    [R, Hkv, G * Q, D]: the grouped-query kernel took about twice as long for 2 columns as for 1
-    (demo model, 16 rows over 512 positions, per layer: 0.87 ms against 0.41; stacked, 0.47),
-    so the first verified token of a batch cost a third of a step; Spark's block of 7 at 16 rows,
-    2.3 ms against 1.4. One column, or many, is faster as is."""
+    `stack` runs it as one plain attention with the G query heads of each key head stacked
+    along the query axis, [R, Hkv, G * Q, D], instead of the grouped-query kernel; None
+    chooses by what was measured on CPUs (demo model, bf16, 16 rows, per layer). With AMX,
+    stacking won at 2 to 9 columns (a slot verifying a few drafts; Spark's block): the grouped
+    kernel took 0.87 ms for 2 columns over 512 positions against 0.41 for 1 (stacked, 0.47), and
+    2.3 ms against 1.4 for Spark's block of 7; at 1 column, or many, the grouped kernel was the
+    faster. Without AMX (an AVX512-BF16 EPYC), stacking won at every width, by 4-7x at 1 column
+    (1.3 ms against 9.2 over 1,024 positions: that made every plain decode step 1.7x slower) and
+    by 1.2-1.4x at 9 to 65. On a GPU the grouped kernel runs."""
     R, Q, H, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    if q.device.type != "cpu" or not 2 <= Q <= 9 or G == 1:
+    if stack is None:
+        stack = q.device.type == "cpu" and G > 1 and (2 <= Q <= 9 or not CPU_HAS_AMX)
+    if not stack:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=G > 1)
         return out.transpose(1, 2)
     stacked = q.view(R, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * Q, D)  # rows (g, q)

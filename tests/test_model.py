@@ -315,11 +315,13 @@ def test_llama_output_projection_bias_is_refused():
         make_pair(attention_bias=True)
 
 
+@pytest.mark.parametrize("stack", [True, False, None])
 @pytest.mark.parametrize("Q", [1, 2, 5, 9, 10])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
-def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads):
-    """The CPU path that stacks each key head's query heads along the query axis computes the
-    same attention as the grouped-query kernel, mask and head order included."""
+def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
+    """The path that stacks each key head's query heads along the query axis computes the
+    same attention as the grouped-query kernel, mask and head order included, at every width
+    (which path runs where depends on the CPU)."""
     torch.manual_seed(Q)
     (H, Hkv), R, C, D = heads, 3, 11, 8
     q, k, v = torch.randn(R, Q, H, D), torch.randn(R, Hkv, C, D), torch.randn(R, Hkv, C, D)
@@ -327,7 +329,7 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads):
     mask[..., 0] = True
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=H != Hkv).transpose(1, 2)
-    torch.testing.assert_close(attend(q, k, v, mask), want)
+    torch.testing.assert_close(attend(q, k, v, mask, stack), want)
 
 
 @pytest.mark.parametrize("variant", ["gqa_tied", "qkv_bias_qwen2"])
