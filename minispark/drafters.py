@@ -139,6 +139,13 @@ def block_mask(ctx_mask: Tensor, g: int) -> Tensor:
     return torch.cat([ctx_mask.repeat_interleave(g, 1), same.expand(B, -1, -1)], dim=-1)[:, None]
 
 
+def calibrated(conf_logit: Tensor, temp: Tensor | float, bias: Tensor | float) -> Tensor:
+    """The confidence head's logit [..., g] as P(token j accepted | tokens < j accepted):
+    sigmoid(z / temp + bias), one temperature and shift per position (`conf_temp`,
+    `conf_bias`; fitted by `train.fit_calibration`)."""
+    return torch.sigmoid(conf_logit / temp + bias)
+
+
 class SparkDrafter(nn.Module):
     """One parallel pass drafts a block of g tokens and scores each one's chance of acceptance.
 
@@ -258,7 +265,7 @@ class SparkDrafter(nn.Module):
         ctx_kv = [(l.attention.k_cache[:R, :ctx], l.attention.v_cache[:R, :ctx]) for l in self.layers]
         h = self.block_states(anchor[:, None], lens[:, None], ctx_kv, ctx_mask)  # [R, g, dim]
         greedy, conf_logit = self.chain(h, anchor, None, None)
-        conf = torch.sigmoid(conf_logit / self.conf_temp + self.conf_bias)
+        conf = calibrated(conf_logit, self.conf_temp, self.conf_bias)
         if temperature is None:
             return greedy, conf, None, greedy
         sampled, q = self.chain(h, anchor, temperature, u)

@@ -687,17 +687,19 @@ def fit_calibration(conf_logit: torch.Tensor, alive: torch.Tensor,
     to the mean acceptance, which ranks no draft above another, as for a sharp one (fitted by
     ECE, the shipped drafter's first slots took the grid's largest temperature). Returns the
     temperatures, the shifts and the ECE per position before and after."""
+    from .drafters import calibrated
+
     g = conf_logit.shape[1]
     temps, bias = torch.ones(g), torch.zeros(g)
 
     def survival(k: int) -> torch.Tensor:
-        return torch.sigmoid(conf_logit[:, : k + 1] / temps[: k + 1] + bias[: k + 1]).prod(-1)
+        return calibrated(conf_logit[:, : k + 1], temps[: k + 1], bias[: k + 1]).prod(-1)
 
     before = [ece(survival(k), alive[:, k]) for k in range(g)]
     pairs = [(t, b) for t in temps_grid for b in bias_grid]
     for k in range(g):
         prefix = survival(k - 1) if k else torch.ones(len(conf_logit))
-        scores = [log_loss(prefix * torch.sigmoid(conf_logit[:, k] / t + b), alive[:, k]) for t, b in pairs]
+        scores = [log_loss(prefix * calibrated(conf_logit[:, k], t, b), alive[:, k]) for t, b in pairs]
         temps[k], bias[k] = pairs[int(torch.tensor(scores).argmin())]
     return temps, bias, before, [ece(survival(k), alive[:, k]) for k in range(g)]
 
@@ -708,10 +710,10 @@ MIN_OWN = 40  # answers to self-written requests enough to calibrate on them alo
 def calibration_corpus(out: Path, init: Path | None) -> tuple[Corpus, str]:
     """Answers the drafter never trained on, to requests the target wrote itself where there
     are enough: held-out ones, or, for a drafter from another folder (`init`), all of them.
-    The templated prompts are the drafter's home ground: calibrated on held-out answers to them
-    (2.54 accepted tokens per step), the shipped drafter's survival had an ECE of 0.063 on
-    MT-Bench; on answers to self-written requests (1.82 tokens per step, phrased as no template
-    is), 0.015. Otherwise all held-out answers."""
+    The templated prompts are the drafter's home ground, where it drafts better than on text
+    phrased as no template is, so a calibration fitted there is overconfident elsewhere (on
+    MT-Bench, for the shipped drafter); answers to requests the target wrote are phrased like
+    a user's. Otherwise all held-out answers."""
     rows = [r for r in feature_rows(out) if r["kind"] == "answer"]
     own = [r for r in rows if r.get("own", False) and (init is not None or r["held_out"])]
     if len(own) >= MIN_OWN:
@@ -767,6 +769,7 @@ def stage_eval(dest: Path, r: Recipe, prompts: int = 80, max_tokens: int = 256) 
     the first turns greedily, then teacher-forced blocks anchored inside the answers give the
     accepted tokens per step, the per-slot acceptance and the ECE of the calibrated survival
     prod c_i against how often slots 0..k were all accepted: mt_bench.json in `dest`."""
+    from .drafters import calibrated
     from .engine import LLM, SamplingParams
     from .weights import load_drafter
     from .workloads import chat_prompts
@@ -786,7 +789,7 @@ def stage_eval(dest: Path, r: Recipe, prompts: int = 80, max_tokens: int = 256) 
     z, alive = res["conf_logit"], res["alive"]  # [N, g]
 
     def survival(temps: torch.Tensor, bias: torch.Tensor | float) -> torch.Tensor:
-        return torch.sigmoid(z / temps + bias).cumprod(-1)
+        return calibrated(z, temps, bias).cumprod(-1)
 
     raw, cal = survival(torch.ones(z.shape[1]), 0), survival(d.conf_temp.float().cpu(), d.conf_bias.float().cpu())
     report = {"prompts": len(rows), "answer_tokens": sum(len(o.token_ids) for o in outs), "blocks": len(z),
