@@ -315,7 +315,7 @@ def test_llama_output_projection_bias_is_refused():
         make_pair(attention_bias=True)
 
 
-@pytest.mark.parametrize("stack", [True, False, None])
+@pytest.mark.parametrize("stack", [True, None])  # None: the path this CPU takes
 @pytest.mark.parametrize("Q", [1, 2, 5, 9, 10])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
 def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
