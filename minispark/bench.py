@@ -20,7 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .engine import LLM, SPEC_MODES, SamplingParams, resolve_dtype
+from .engine import LLM, SPEC_MODES, SamplingParams
+from .model import resolve_dtype
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, build_model, default_model, load_gguf, load_hf_folder
 from .workloads import workload

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import price, verify
 from .drafters import NgramDrafter, SparkDrafter
-from .model import Batch, Transformer
+from .model import Batch, Transformer, resolve_dtype
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table, progress
 
@@ -1030,27 +1030,6 @@ class LLM:
             t[k] += v
         for k, v in o.chains.items():
             t[f"{k}_chains"] += v
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype from a name; "auto" is bfloat16 where the hardware computes in it (CUDA,
-    CPUs with AVX512-BF16 or AMX) and float32 elsewhere. A CPU without native bf16 converts
-    every matmul operand: on this project's 2-core CPU a demo-model forward of 8 tokens took
-    133 ms in bfloat16 against 87 ms in float32, and verification lives on such forwards."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
-    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-        raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {dtype!r}")
-    return torch_dtype
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: stay exact rather than guess
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark: SparkDrafter | None = None) -> None:

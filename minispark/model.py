@@ -125,9 +125,29 @@ class Attention(nn.Module):
         return self.wo(out[b.cell.clamp(max=R * Q - 1)])  # [T, dim]; padding reads any cell
 
 
-# Whether this CPU has AMX, whose tile kernels make the grouped-query attention kernel the
-# faster one at some grid widths (see `attend`).
-CPU_HAS_AMX = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+def cpu_has(feature: str) -> bool:
+    """Whether this CPU has an instruction set extension, as PyTorch's own kernels see it
+    (False where this torch build cannot tell)."""
+    return getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)()
+
+
+# AMX tiles make the grouped-query attention kernel the faster one at some grid widths (see
+# `attend`); AVX512-BF16 or AMX compute bf16 natively (see `resolve_dtype`).
+CPU_HAS_AMX = cpu_has("amx_tile")
+CPU_HAS_BF16 = CPU_HAS_AMX or cpu_has("avx512_bf16")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype from a name; "auto" is bfloat16 where the hardware computes in it (CUDA,
+    CPUs with AVX512-BF16 or AMX) and float32 elsewhere. A CPU without native bf16 converts
+    every matmul operand: on this project's 2-core CPU a demo-model forward of 8 tokens took
+    133 ms in bfloat16 against 87 ms in float32, and verification lives on such forwards."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or CPU_HAS_BF16 else torch.float32
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+    return torch_dtype
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, stack: bool | None = None) -> Tensor:

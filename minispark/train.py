@@ -75,7 +75,7 @@ class Recipe:
         """The target, frozen; dtype None = bfloat16 where the hardware computes in it, else
         float32 (a CPU without native bf16 converts every operand: the toy recipe's feature
         pass took 8 minutes in bf16 on a 2-core VM)."""
-        from .engine import resolve_dtype
+        from .model import resolve_dtype
         from .weights import default_model, load_model
 
         dtype = dtype or resolve_dtype("auto", torch.device(self.device))

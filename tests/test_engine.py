@@ -601,17 +601,17 @@ def test_the_fixed_baseline_verifies_every_whole_block(tmp_path):
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
-    from minispark import engine
+    from minispark import model
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
-    assert engine.resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: False)
-    assert engine.resolve_dtype("auto", cpu) == torch.float32
-    assert engine.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert engine.resolve_dtype("float16", cpu) == torch.float16
+    monkeypatch.setattr(model, "CPU_HAS_BF16", True)
+    assert model.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(model, "CPU_HAS_BF16", False)
+    assert model.resolve_dtype("auto", cpu) == torch.float32
+    assert model.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert model.resolve_dtype("float16", cpu) == torch.float16
     with pytest.raises(ValueError, match="dtype must be 'auto'"):
-        engine.resolve_dtype("int8", cpu)
+        model.resolve_dtype("int8", cpu)
 
 
 def test_with_no_request_waiting_drafts_go_to_the_rows_the_run_waits_for(tmp_path):
