@@ -213,6 +213,16 @@ class Engine:
         if self.ngram:
             self.ng_last[slot] = 0
 
+    def forget(self, slot: int) -> None:
+        """Zero `slot`'s rows of the KV caches (the target's and Spark's context) after a request
+        there broke: attention weighs a masked position by 0, and 0 x NaN is NaN, so a NaN key
+        left past the next prompt's end would break every later request in the slot."""
+        caches = [layer.attention for layer in self.model.layers]
+        caches += [layer.attention for layer in self.spark.layers] if self.spark else []
+        for att in caches:
+            att.k_cache[slot].zero_()
+            att.v_cache[slot].zero_()
+
     def set_worth(self, worth: dict[int, float], R: int) -> None:
         """What a token of each of rows [0, R) is worth to the run (absent rows: 0), copied
         without waiting for the device, which is still running the previous step."""
@@ -590,6 +600,7 @@ class LLM:
                         draft_budget=draft_budget, compile=compile)
         self._setup(engine, Tokenizer.from_path(path), seed, cost, trace, adaptive)
         self.drafter = drafter  # the folder, so that a mode switch can reload it
+        self._options = dict(ngram_k=ngram_k, draft_budget=draft_budget, cost=cost)  # for `with_spec`
 
     @classmethod
     def from_model(cls, net: Transformer, tokenizer: Tokenizer, spec: str = "off", max_batch_size: int = 8,
@@ -611,6 +622,7 @@ class LLM:
                         ngram_table=ngram_table, draft_budget=draft_budget, compile=compile)
         self._setup(engine, tokenizer, seed, cost, trace, adaptive)
         self.drafter = drafter
+        self._options = dict(ngram_k=ngram_k, draft_budget=draft_budget, cost=cost, ngram_table=ngram_table)
         return self
 
     def _setup(self, engine: Engine, tokenizer: Tokenizer, seed: int, cost: price.CostModel | None,
@@ -646,12 +658,13 @@ class LLM:
         return [r.out for r in reqs]
 
     def with_spec(self, spec: str) -> "LLM":
-        """An LLM drafting with `spec` on this one's model, tokenizer, drafter, batch and length,
-        compiled if this one is, writing on to its trace. The model's KV cache is allocated
-        anew: use one of the two at a time (a chat's /spec switches this way)."""
+        """An LLM drafting with `spec` on this one's model, tokenizer, drafter and settings
+        (batch, length, chain and budget limits, a cost table given to it), compiled if this one
+        is, writing on to its trace. The model's KV cache is allocated anew: use one of the two
+        at a time (a chat's /spec switches this way)."""
         llm = LLM.from_model(self.engine.model, self.tokenizer, spec=spec, max_batch_size=self.engine.S,
                              max_seq_len=self.engine.L, seed=self.seed, compile=self.engine.compiled,
-                             drafter=self.drafter, adaptive=self.adaptive)
+                             drafter=self.drafter, adaptive=self.adaptive, **self._options)
         llm._trace = self._trace
         return llm
 
@@ -1022,6 +1035,8 @@ class LLM:
         o.finish_reason = reason
         self._slots[slot] = None
         self.engine.active[slot] = False  # the device may not know yet (stop strings, cancel)
+        if reason == "error":
+            self.engine.forget(slot)
         t = self._totals
         t["requests"] += 1
         t["tokens"] += len(o.token_ids)

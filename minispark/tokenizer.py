@@ -135,8 +135,11 @@ class Tokenizer:
         return ids
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        """Raw bytes; a streaming detokeniser holds back an incomplete UTF-8 tail."""
-        return b"".join([self._bytes[i] for i in ids])
+        """Raw bytes; a streaming detokeniser holds back an incomplete UTF-8 tail. An id past the
+        tokenizer's table (a model's embedding rows are often padded beyond it) spells nothing,
+        as in transformers, rather than failing the batch that sampled it."""
+        n = len(self._bytes)
+        return b"".join([self._bytes[i] if i < n else b"" for i in ids])
 
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")

@@ -422,13 +422,16 @@ def test_a_spec_switch_keeps_the_model_settings_and_the_trace(tmp_path):
 
     _, net = tiny_pair(0, initializer_range=0.02, vocab_size=64)
     path = tmp_path / "trace.jsonl"
+    table = torch.full((4, 9, 8), 0.7)  # [last proposal, m, j]
     llm = LLM.from_model(net, ByteTokenizer(), spec="off", max_batch_size=2, max_seq_len=128, cost=FLAT_COST,
-                         trace=str(path), seed=7)
+                         trace=str(path), seed=7, ngram_k=8, draft_budget=16, ngram_table=table)
     params = SamplingParams(temperature=0, max_tokens=12)
     before = llm.generate([[5, 6, 7, 8] * 3], params)[0]
     lines = len(path.read_text().splitlines())
     ngram = llm.with_spec("ngram")
     assert (ngram.engine.spec, ngram.engine.S, ngram.engine.L, ngram.seed) == ("ngram", 2, 128, 7)
+    assert (ngram.engine.K, ngram.engine.draft_budget, ngram.cost) == (8, 16, FLAT_COST)
+    assert torch.equal(ngram.engine.ng_table.cpu(), table)
     after = ngram.generate([[5, 6, 7, 8] * 3], params)[0]
     assert after.token_ids == before.token_ids  # lossless across the switch
     assert len(path.read_text().splitlines()) == lines + after.num_steps  # the trace goes on
@@ -464,6 +467,13 @@ def test_non_finite_logits_stop_only_the_affected_request():
     ok, bad = llm.generate([ok_prompt, bad_prompt], GREEDY)
     assert bad.finish_reason == "error" and "NaN" in bad.error and bad.token_ids == []
     assert ok.token_ids == expected and ok.finish_reason == "length"
+    # The broken request's cache rows do not outlive it: with the embedding mended, a shorter
+    # prompt in the same slot (its cache past the prompt still masked, not overwritten) is clean.
+    with torch.no_grad():
+        llm.engine.model.tok_embeddings.weight[poison] = clean.engine.model.tok_embeddings.weight[poison]
+    short = [5, 6]
+    again = llm.generate([[9] * 6, short], GREEDY)[1]
+    assert again.finish_reason == "length" and again.token_ids == clean.generate([short], GREEDY)[0].token_ids
 
 
 def test_a_cache_that_cannot_fit_is_refused_up_front():

@@ -209,6 +209,7 @@ def test_added_tokens_that_are_not_special_are_text():
     assert t.encode("a<tool_call>") == [97, 257]  # matched in any text
     assert t.special_ids == {256}  # so the engine writes it into answers, as decode does
     assert t.decode([257, 120]) == "<tool_call>x"
+    assert t.decode([120, 300, 121]) == "xy"  # an id in a padded embedding, past the table: no text
 
 
 def test_decode_bytes_streams_partial_utf8(tok):
