@@ -189,6 +189,10 @@ class Engine:
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
         if self.ngram:
             table = ngram_table if ngram_table is not None else price.default_ngram_table(self.ngram.n_max, self.ngram.k)
+            if table.ndim != 3 or table.shape[1] <= self.ngram.n_max:
+                raise ValueError(f"the n-gram table is shaped {tuple(table.shape)}, but the matcher needs "
+                                 f"[4, m, j] with a row for every match length m up to {self.ngram.n_max}; "
+                                 f"fit one with `python -m minispark.train ngram`")
             self.ng_table = price.fit_table_width(table, self.ngram.k).to(dev)  # [F, m, K]
             self.ng_last = zeros(S)  # how the slot's last n-gram proposal fared: the table's first index
             # Each slot's n-gram proposal for its next step, drafted as soon as its history is
@@ -591,7 +595,7 @@ class LLM:
         net, path = load_model(model, dtype=torch_dtype, device=device)
         if drafter is not None and not Path(drafter).expanduser().is_dir():  # even where the mode needs none
             raise ValueError(f"drafter folder {drafter} not found (a folder made by `python -m minispark.train`)")
-        if drafter is None and model is None:
+        if drafter is None and model is None and DEMO_DRAFTER.is_dir():  # not in a wheel: checkpoints/ is beside the package
             drafter = DEMO_DRAFTER
         if spec is None:  # the best mode available: hybrid needs a drafter trained for this model
             spec = "hybrid" if drafter is not None else "ngram"

@@ -64,3 +64,14 @@ def test_bf16_runs_and_samples(demo):
     again = llm.generate(prompts[:2], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1))
     assert [o.token_ids for o in outs] == [o.token_ids for o in again]
     assert all(len(o.token_ids) > 0 for o in outs)
+
+
+def test_without_the_shipped_drafter_the_default_mode_is_ngram(monkeypatch, tmp_path):
+    # A wheel install has no checkpoints/ beside the package: LLM() still runs, copying only.
+    from minispark import engine
+
+    monkeypatch.setattr(engine, "DEMO_DRAFTER", tmp_path / "absent")
+    llm = LLM(max_batch_size=1, max_seq_len=256, dtype="float32", cost=CostModel([1, 65], [1.0, 1.3]))
+    assert llm.engine.spec == "ngram" and llm.engine.spark is None
+    with pytest.raises(ValueError, match="needs a Spark drafter"):
+        LLM(spec="spark", max_batch_size=1, max_seq_len=256, dtype="float32")

@@ -476,6 +476,14 @@ def test_non_finite_logits_stop_only_the_affected_request():
     assert again.finish_reason == "length" and again.token_ids == clean.generate([short], GREEDY)[0].token_ids
 
 
+def test_an_ngram_table_without_every_match_length_is_refused_up_front():
+    from conftest import FLAT_COST, ByteTokenizer, tiny_pair
+
+    _, net = tiny_pair(0, vocab_size=64)
+    with pytest.raises(ValueError, match="a row for every match length m up to 8"):
+        LLM.from_model(net, ByteTokenizer(), spec="ngram", cost=FLAT_COST, ngram_table=torch.full((4, 3, 32), 0.5))
+
+
 def test_a_cache_that_cannot_fit_is_refused_up_front():
     with pytest.raises(ValueError, match="lower max_seq_len or max_batch_size"):
         tiny_llm("off", max_batch_size=64, max_seq_len=50_000_000)
