@@ -86,7 +86,9 @@ def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int
 
 def run_minispark(llm: LLM, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
                   temperature: float) -> Result:
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
+    # No seed: each request gets its own from the LLM's (0) and its request id, the same for a
+    # prompt in every mode (each runs the same parts in the same order).
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -307,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         if spec_of(m) not in SPEC_MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}, or one of them with -fixed")
     peers = [p for p in a.peers.split(",") if p and p != "none"]
+    if peers and a.temperature > 0:
+        ap.error("the peers decode greedily: with --temperature above 0 add --peers none")
     batches = [int(b) for b in a.batch.split(",")]
     workloads = [w for w in a.workloads.split(",") if w]
     try:

@@ -28,7 +28,8 @@ def uniform(seed: Tensor, pos: Tensor, stream: int, vocab: int | None = None) ->
     """Uniforms in (0, 1): `[T]` or, with `vocab`, `[T, vocab]` (one per token id). 23 bits, so
     that the largest, 1 - 2**-24, is a float32 below 1: a uniform of exactly 1 would make its
     token's exponential 0 and win the race (`sample`) whatever its probability, zero included."""
-    h = _mix(_mix(_mix(seed) ^ pos) ^ stream)
+    # A seed's high 32 bits fold into its low ones (_mix(0) = 0: seeds below 2**32 hash as before).
+    h = _mix(_mix(_mix(seed ^ _mix(seed >> 32)) ^ pos) ^ stream)
     if vocab is not None:
         h = _mix(h[:, None] ^ torch.arange(vocab, device=h.device)[None, :])
     return ((h >> 9).float() + 0.5) / float(1 << 23)

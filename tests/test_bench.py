@@ -73,3 +73,10 @@ def test_max_tokens_is_one_length_or_one_per_workload():
                       ("0", "at least 1")]:
         with pytest.raises(ValueError, match=says):
             bench.per_workload(bad, ["code", "chat"])
+
+
+def test_peers_are_refused_when_sampling(capsys):
+    # transformers' generate runs greedy here: set beside sampled minispark, it would measure another task.
+    with pytest.raises(SystemExit):
+        bench.main(["--peers", "hf", "--temperature", "0.7"])
+    assert "with --temperature above 0 add --peers none" in capsys.readouterr().err

@@ -169,6 +169,7 @@ def test_uniform_differs_across_inputs():
         uniform(ar, base_pos, ACCEPT_STREAM),  # across seeds
         uniform(base_seed, ar, ACCEPT_STREAM),  # across positions
         uniform(base_seed[:1], base_pos[:1], ACCEPT_STREAM, n)[0],  # across vocab entries
+        uniform(ar << 32 | 7, base_pos, ACCEPT_STREAM),  # across seeds' high bits (all 64 count)
     ]:
         # 23-bit resolution: a handful of birthday collisions at most.
         assert u.unique().numel() >= n - 4
