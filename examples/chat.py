@@ -51,7 +51,12 @@ class Chat:
                 console.print(Text(piece.text), end="", soft_wrap=True)  # model text, not markup
         except KeyboardInterrupt:
             console.print(" [dim](stopped)[/]", end="")
+        except ValueError as e:  # refused before it ran: most often a conversation grown too long
+            raise ValueError(f"{e}; /reset clears the conversation" if self.history else str(e)) from None
         console.print()
+        if out is not None and out.error:
+            console.print(f"[red]error:[/] {escape(out.error)}")
+            return
         self.history = history + [{"role": "assistant", "content": answer}]
         if out is not None:
             console.print(status_line(out, time.perf_counter() - start), style="dim")

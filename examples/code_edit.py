@@ -59,7 +59,7 @@ def edit(llm: LLM, code: str, instruction: str, max_tokens: int, show: bool) -> 
     if show:
         console.print()
     stats = {"tokens": len(out.token_ids), "steps": max(out.num_steps, 1), "finish": out.finish_reason,
-             **out.accepted}
+             "error": out.error, **out.accepted}
     return out.text, seconds, stats
 
 
@@ -122,7 +122,8 @@ def main() -> int:
         # a refusal in prose would lose the user's code.
         whole = extract_code(answer, closed=True) if stats["finish"] == "stop" else None
         if whole is None:
-            why = "was cut off at --max-tokens" if stats["finish"] == "length" else "holds no closed code block"
+            why = {"length": "was cut off at --max-tokens", "error": f"broke off: {stats['error']}"}.get(
+                stats["finish"], "holds no closed code block")
             console.print(f"[red]not written:[/] the answer {why}; {escape(str(path))} is unchanged")
             return 1
         path.write_text(whole)

@@ -139,14 +139,14 @@ class StepOut:
 
 
 class Drafts(NamedTuple):
-    """Both drafters' chains for rows [0, R), padded to one width W, with survival estimates."""
-    ngram: Tensor  # [R, W] n-gram tokens
-    ngram_a: Tensor  # [R, W] their survival (0 past the valid length)
+    """Both drafters' chains for rows [0, R), padded to the longest chain K, with survival estimates."""
+    ngram: Tensor  # [R, K] n-gram tokens
+    ngram_a: Tensor  # [R, K] their survival (0 past the valid length)
     m: Tensor  # [R] match lengths
     ngram_valid: Tensor  # [R] proposed n-gram tokens
-    spark: Tensor  # [R, W] Spark tokens to verify (sampled when sampling)
-    spark_a: Tensor  # [R, W] survival along Spark's greedy path (depends on the context alone)
-    spark_q: Tensor | None  # [R, W, Vd] draft distributions of the sampled tokens
+    spark: Tensor  # [R, K] Spark tokens to verify (sampled when sampling)
+    spark_a: Tensor  # [R, K] survival along Spark's greedy path (depends on the context alone)
+    spark_q: Tensor | None  # [R, K, Vd] draft distributions of the sampled tokens
 
 
 class Engine:
@@ -200,7 +200,7 @@ class Engine:
             self.ng_tok, self.ng_valid, self.ng_m = zeros(S, self.K), zeros(S), zeros(S)
         self._step, self.compiled = self.decode_step, compile
         if compile:
-            # One graph per (R, budget, width, ctx, sampling) bucket; ints stay static.
+            # One graph per (R, budget, width, ctx, sampling, spark_pass, filtered); ints stay static.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
             mode = "max-autotune" if self.device.type == "cuda" else None
             self._step = torch.compile(self.decode_step, fullgraph=True, dynamic=False, mode=mode)
@@ -304,7 +304,7 @@ class Engine:
         d = self.draft(R, ctx, sampling, spark_pass)
         w = self.worth[:R, None]
         use_spark, _ = price.choose_chains(w * d.ngram_a[:, :width], w * d.spark_a[:, :width], budget)  # [R]
-        a = torch.where(use_spark[:, None], d.spark_a, d.ngram_a)  # [R, W]
+        a = torch.where(use_spark[:, None], d.spark_a, d.ngram_a)  # [R, K]
         length = price.admit_top(w * a[:, :width], budget)  # [R], at most `width` each
         chain = torch.where(use_spark[:, None], d.spark, d.ngram)[:, :width]  # [R, width]
         batch = self.pack(R, chain, length, ctx, budget)
@@ -733,7 +733,10 @@ class LLM:
             seed = p.seed if p.seed is not None else self.seed * 1_000_003 + rid
             stop_ids = list(dict.fromkeys([*p.stop_token_ids, *([] if p.ignore_eos else self.tokenizer.stop_ids)]))
             if len(stop_ids) > MAX_STOP_IDS:
-                raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}")
+                own = "" if p.ignore_eos else (f", with the tokenizer's {len(self.tokenizer.stop_ids)} end-of-turn "
+                                               f"ids (ignore_eos=True leaves those out)")
+                raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}: "
+                                 f"{len(p.stop_token_ids)} in stop_token_ids{own}")
             text = prompt if isinstance(prompt, str) else None
             reqs.append(_Request(RequestOutput(rid, text, ids), p, seed, stop_ids))
         return reqs
@@ -963,8 +966,10 @@ class LLM:
         if spark_pass and count_step:  # a prefill's Spark estimates are a guess, not a pass
             self._typical_spark([a for a, req in zip(spark_a, owners) if req is not None])
         for i, (req, slot) in enumerate(zip(owners, rows)):
-            # Until a first pass has run, a skipped slot keeps the prefill's guess.
-            est[slot] = (ngram_a[i], spark_a[i] if spark_pass else self._spark_typical or est[slot][1])
+            # Until a first pass has run, a skipped slot keeps the prefill's guess. A slot given to
+            # a new request since this step was launched (on a GPU) keeps that request's estimates.
+            if self._slots[slot] is req:
+                est[slot] = (ngram_a[i], spark_a[i] if spark_pass else self._spark_typical or est[slot][1])
             if count_step and req is not None and n[i] > 0:
                 if length[i] > 0:  # the positions reached: the accepted ones and the first rejected
                     self._observe(SOURCES[source[i]], sum(per_tok[i][: min(n_draft[i] + 1, length[i])]), n_draft[i])
@@ -1058,14 +1063,26 @@ def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark
     itemsize = model.tok_embeddings.weight.element_size()
     layers = a.n_layers + (spark.args.n_layers if spark else 0)
     need = 2 * layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need > 0.9 * free:
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if free is not None and need > 0.9 * free:
         gib = 2**30
         raise ValueError(f"the KV cache for max_batch_size={S} x max_seq_len={L} needs {need / gib:.1f} GiB, "
                          f"but only {free / gib:.1f} GiB is free on {device}; lower max_seq_len or max_batch_size")
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory a new allocation can have: Linux's MemAvailable, which counts the
+    page cache it can drop (a checkpoint just read fills it), else the free pages, else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not on this OS (macOS): leave the allocator to refuse
+        return None
 
 
 def randomness(params: list[SamplingParams]) -> tuple[bool, bool]:

@@ -196,6 +196,10 @@ def longest_admitted(chains: list[list[float]], budget: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the price
+# The Hybrid Spark paper's rule: a price `lam` per verified slot, each row taking the chain of
+# larger net value. The step solves the same choice exactly (`choose_chains`, a knapsack) and
+# calls none of the three below; they stay as the rule to read it against, and the tests check
+# the knapsack by them.
 
 
 def price_of(a: Tensor, budget: int) -> Tensor:

@@ -896,9 +896,9 @@ def stage_ngram(out: Path, dest: Path, r: Recipe) -> dict:
     tok = Tokenizer.from_path(r.model or default_model())
     docs = {True: [], False: []}
     for line in (out / "answers.jsonl").open():
-        r = json.loads(line)
-        prompt = tok.encode_chat([{"role": "user", "content": r["prompt"]}])
-        docs[is_held_out(r["prompt"])].append((prompt + r["answer_ids"], len(prompt)))
+        row = json.loads(line)
+        prompt = tok.encode_chat([{"role": "user", "content": row["prompt"]}])
+        docs[is_held_out(row["prompt"])].append((prompt + row["answer_ids"], len(prompt)))
     fit_log, test_log = simulate_ngram(docs[False]), simulate_ngram(docs[True])
     table = fit_ngram_table(fit_log)
     pooled = table.mean(0, keepdim=True).expand_as(table)  # (m, j) only

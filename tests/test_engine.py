@@ -94,6 +94,29 @@ def test_reading_each_step_a_step_late_as_on_a_gpu_changes_no_token(spec):
     assert sum(o.accepted["ngram"] + o.accepted["spark"] for o in b) > 0
 
 
+def test_a_step_read_late_leaves_the_estimates_of_a_slot_given_to_a_new_request_alone():
+    """On a GPU a slot may be handed to a new request (its prefill writing that request's
+    estimates) while a step launched for the old one is still to be read: reading it must not
+    overwrite the new request's estimates with the old one's."""
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 9, 30)
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(2, 12)) for _ in prompts]
+    llm = tiny_llm("ngram", initializer_range=0.1, vocab_size=40, max_batch_size=2)
+    llm._overlap = True
+    absorb, handed_over = llm._absorb, []
+
+    def checked_absorb(out, owners, rows, spark_pass, est, count_step=True):
+        before = list(est)
+        yield from absorb(out, owners, rows, spark_pass, est, count_step)
+        for req, slot in zip(owners, rows):
+            if llm._slots[slot] is not None and llm._slots[slot] is not req:  # handed over since launch
+                handed_over.append(est[slot] is before[slot])
+
+    llm._absorb = checked_absorb
+    llm.generate(prompts, params)
+    assert handed_over and all(handed_over)
+
+
 @pytest.mark.parametrize("spec,overlap", [("ngram", False), ("ngram", True), ("hybrid", False), ("hybrid", True)])
 def test_long_copies_across_attended_prefix_buckets_keep_every_token(spec, overlap):
     """The attended prefix `ctx` grows in buckets of 256 with what the host knows; long copied
@@ -256,6 +279,15 @@ def test_stop_rules():
     assert by_str.finish_reason == "stop" and by_str.text == text[: text.index(stop)]
     one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
     assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
+
+
+def test_too_many_stop_ids_are_refused_saying_where_they_came_from():
+    llm = tiny_llm("off", eos=3, vocab_size=64)
+    many = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=list(range(10, 18)))
+    with pytest.raises(ValueError, match=r"got 9: 8 in stop_token_ids, with the tokenizer's 1 end-of-turn ids "
+                                         r"\(ignore_eos=True leaves those out\)"):
+        llm.generate([[5, 6]], many)
+    assert len(llm.generate([[5, 6]], SamplingParams(**{**vars(many), "ignore_eos": True}))[0].token_ids) == 4
 
 
 def test_a_token_that_completes_several_stop_strings_ends_the_text_at_the_earliest():
@@ -487,6 +519,14 @@ def test_an_ngram_table_without_every_match_length_is_refused_up_front():
 def test_a_cache_that_cannot_fit_is_refused_up_front():
     with pytest.raises(ValueError, match="lower max_seq_len or max_batch_size"):
         tiny_llm("off", max_batch_size=64, max_seq_len=50_000_000)
+
+
+def test_the_memory_check_steps_aside_where_the_os_cannot_say(monkeypatch):
+    from minispark import engine
+
+    assert engine.available_memory() > 0  # Linux: MemAvailable
+    monkeypatch.setattr(engine, "available_memory", lambda: None)  # an OS without either count
+    assert tiny_llm("off", max_batch_size=2).generate([[5, 6]], GREEDY)[0].finish_reason == "length"
 
 
 def test_an_idle_slot_longer_than_the_attended_prefix_is_harmless():

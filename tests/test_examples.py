@@ -94,7 +94,7 @@ def test_chat_in_a_terminal():
 
         t.type("word " * 300)  # longer than the cache: one error line, and the chat goes on
         pane = t.wait("error line", lambda p: "more than max_seq_len" in p and at_prompt(p))
-        assert "Traceback" not in pane
+        assert "Traceback" not in pane and "/reset clears the conversation" in pane
         t.type("And of Italy?")  # the refused question is not part of the conversation
         pane = t.wait("second answer", lambda p: p.count("tokens/step") == 2 and at_prompt(p))
         assert "max_seq_len" not in pane.split("And of Italy?")[-1], pane
