@@ -595,7 +595,8 @@ class LLM:
         net, path = load_model(model, dtype=torch_dtype, device=device)
         if drafter is not None and not Path(drafter).expanduser().is_dir():  # even where the mode needs none
             raise ValueError(f"drafter folder {drafter} not found (a folder made by `python -m minispark.train`)")
-        if drafter is None and model is None and DEMO_DRAFTER.is_dir():  # not in a wheel: checkpoints/ is beside the package
+        # A wheel has no checkpoints/ beside the package: the demo model then runs without Spark.
+        if drafter is None and model is None and DEMO_DRAFTER.is_dir():
             drafter = DEMO_DRAFTER
         if spec is None:  # the best mode available: hybrid needs a drafter trained for this model
             spec = "hybrid" if drafter is not None else "ngram"

@@ -146,7 +146,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.bfloat16 if device.type == "cuda" or CPU_HAS_BF16 else torch.float32
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-        raise ValueError(f"dtype must be 'auto' or a floating-point dtype ('bfloat16', 'float16', 'float32'), got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or a floating-point dtype ('bfloat16', 'float16', 'float32'), "
+                         f"got {dtype!r}")
     return torch_dtype
 
 
