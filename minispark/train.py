@@ -367,8 +367,8 @@ def doc_features(model, ids: list[int], layers: tuple[int, ...]) -> dict[str, to
 
 
 def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = KINDS, shard_docs: int = 200) -> None:
-    """Target features of every document, in shards of `shard_docs`; a rerun skips full shards
-    already written (answers may have grown since)."""
+    """Target features of every document, in shards of `shard_docs`; a rerun skips shards
+    already written as they are, and redoes a last shard that has grown since (more answers)."""
     from rich.progress import Progress
 
     from .tokenizer import Tokenizer
@@ -385,10 +385,10 @@ def stage_features(out: Path, r: Recipe, kinds: tuple[str, ...] = KINDS, shard_d
             for i, shard in enumerate(shards):
                 f = out / "features" / f"{kind}-{i:04d}-{len(shard)}.pt"
                 done = list((out / "features").glob(f"{kind}-{i:04d}-*.pt"))
-                if f.exists() or (done and len(shard) < shard_docs):
+                if f.exists():
                     bar.advance(task, sum(len(d["ids"]) for d in shard))
                     continue
-                for old in done:  # a partial shard of an earlier run, now complete
+                for old in done:  # a partial shard of an earlier run, grown since
                     old.unlink()
                 # Held-out scores and calibration anchor blocks in answers only (`start`), as the
                 # MT-Bench evaluation does: the fixed chat template is easy text no answer holds.

@@ -256,3 +256,23 @@ def test_the_gpu_script_refuses_an_init_that_is_no_drafter(tmp_path):
                            "--init", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "no spark.json there" in done.stderr
     assert not (tmp_path / "d").exists()  # refused before any stage ran
+
+
+def test_a_features_rerun_redoes_only_a_last_shard_that_has_grown(tmp_path):
+    import json
+
+    def answers(n):
+        with (tmp_path / "answers.jsonl").open("w") as f:
+            for i in range(n):
+                f.write(json.dumps({"prompt": f"Say {i}.", "answer_ids": [28, 29 + i, 2]}) + "\n")
+
+    feats, recipe = tmp_path / "features", train.Recipe()
+    answers(4)
+    train.stage_features(tmp_path, recipe, kinds=("answer",), shard_docs=3)
+    assert sorted(p.name for p in feats.iterdir()) == ["answer-0000-3.pt", "answer-0001-1.pt"]
+    full = (feats / "answer-0000-3.pt").stat().st_mtime_ns
+    answers(5)  # the last shard grows, and is still not full
+    train.stage_features(tmp_path, recipe, kinds=("answer",), shard_docs=3)
+    assert sorted(p.name for p in feats.iterdir()) == ["answer-0000-3.pt", "answer-0001-2.pt"]
+    assert (feats / "answer-0000-3.pt").stat().st_mtime_ns == full  # the full shard is not redone
+    assert len(torch.load(feats / "answer-0001-2.pt", weights_only=False)) == 2
