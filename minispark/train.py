@@ -707,13 +707,12 @@ def fit_calibration(conf_logit: torch.Tensor, alive: torch.Tensor,
     def survival(k: int) -> torch.Tensor:
         return calibrated(conf_logit[:, : k + 1], temps[: k + 1], bias[: k + 1]).prod(-1)
 
-    before = [ece(survival(k), alive[:, k]) for k in range(g)]
     pairs = [(t, b) for t in temps_grid for b in bias_grid]
     for k in range(g):
         prefix = survival(k - 1) if k else torch.ones(len(conf_logit))
         scores = [log_loss(prefix * calibrated(conf_logit[:, k], t, b), alive[:, k]) for t, b in pairs]
         temps[k], bias[k] = pairs[int(torch.tensor(scores).argmin())]
-    return temps, bias, before, [ece(survival(k), alive[:, k]) for k in range(g)]
+    return temps, bias, survival_ece(conf_logit, alive), survival_ece(conf_logit, alive, temps, bias)
 
 
 MIN_OWN = 40  # answers to self-written requests enough to calibrate on them alone
