@@ -110,6 +110,16 @@ class CostModel:
         prior = self.correction(T, spark_pass)
         self.drift[T, spark_pass] = prior + self.LEARN * (x - prior)
 
+    def relax(self, spark_pass: bool, rate: float) -> None:
+        """Move the corrections of one kind of step, not timed lately, by `rate` toward the other
+        kind's at the nearest size (or toward the profile where that kind is not timed either):
+        an old timing stands for a device and a load that may have changed since."""
+        others = {k: v for k, v in self.drift.items() if k[1] != spark_pass}
+        for key in [k for k in self.drift if k[1] == spark_pass]:
+            near = min(others, key=lambda k: (abs(k[0] - key[0]), -k[0]), default=None)
+            target = others[near] if near else 0.0
+            self.drift[key] += rate * (target - self.drift[key])
+
 
 def monotone(times: list[float]) -> list[float]:
     """The nearest non-decreasing sequence in least squares (pool adjacent violators): a

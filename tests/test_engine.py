@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_llm
 from minispark import verify
-from minispark.engine import LLM, TRUST_PRIOR, SamplingParams
+from minispark.engine import LLM, SPARK_PATIENCE, TRUST_PRIOR, SamplingParams
 from minispark.model import Batch
 from minispark.price import CostModel
 
@@ -599,9 +599,36 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0]
     assert out.token_ids == reference_greedy(llm, prompt, 48)
     passes = [json.loads(line)["spark_pass"] for line in path.read_text().splitlines()]
-    assert all(passes[:3]) and not any(passes[-20:])
+    assert all(passes[:3]) and not any(passes[10:10 + SPARK_PATIENCE])
     # Each rejected chain reached one token, estimated certain: trust per token falls from 1.
     assert llm._trust("spark") < 0.5
+
+
+def test_a_drafter_written_off_is_tried_again(tmp_path):
+    """Only a verified chain renews the plan's trust in Spark. After the certain-but-wrong
+    drafter has lost its pass, it is made right (its Markov head now follows the next answer's
+    own token pairs): the plan tries it again after a quiet stretch, rarely while it is still
+    wrong, and then drafts with it for good. Before, the pass never ran again."""
+    import json
+
+    from conftest import ByteTokenizer
+
+    net, d = certain_but_wrong_drafter()
+    path = tmp_path / "trace.jsonl"
+    llm = LLM.from_model(net, ByteTokenizer(), spec="spark", max_batch_size=1, max_seq_len=512,
+                         cost=CostModel([1, 1025], [1.0, 1.5], spark=0.5), drafter=d, trace=str(path))
+    llm.generate([[5, 9, 17, 33, 4]], SamplingParams(temperature=0, max_tokens=120))
+    wrong = [json.loads(line)["spark_pass"] for line in path.read_text().splitlines()]
+    assert all(wrong[:3]) and 1 <= sum(wrong[10:]) <= len(wrong[10:]) // SPARK_PATIENCE + 1
+    prompt = [7, 7, 8, 11, 2]
+    want = reference_greedy(llm, prompt, 200)
+    with torch.no_grad():
+        d.markov_out.weight.zero_()
+        for x, y in zip(prompt + want, want):
+            d.markov_out.weight[y, x] = 1e3
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200))[0]
+    assert out.token_ids == want
+    assert out.accepted["spark"] >= 100 and llm._trust("spark") > 0.8
 
 
 def test_a_skipped_spark_pass_is_not_skipped_for_good(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -329,6 +330,23 @@ def test_the_cost_table_learns_from_the_steps_it_times():
     fresh = CostModel([16, 17, 32], [1.0, 1.02, 1.5])
     assert best_budget(16, 16, [0.5], [0, 1], fresh)[0] == 1
     assert best_budget(16, 16, [0.5], [0, 1], cost)[0] == 0
+
+
+def test_an_old_timing_relaxes_toward_the_steps_timed_since():
+    from minispark.price import CostModel
+
+    cost = CostModel([16, 32], [1.0, 1.5], spark=0.5)
+    cost.relax(True, 0.5)  # nothing timed: nothing to move
+    assert cost.drift == {}
+    cost.observe(16, True, 3.0)
+    cost.relax(True, 0.5)  # no step without the pass timed: toward the profile
+    assert cost.correction(16, True) == pytest.approx(0.5 * CostModel.LEARN * math.log(2.0))
+    for _ in range(30):
+        cost.observe(32, False, 1.5 * 1.2)
+    for _ in range(60):
+        cost.relax(True, 0.1)  # Spark steps untimed for long: as the steps timed since say
+    assert cost.correction(16, True) == pytest.approx(math.log(1.2), abs=1e-3)
+    assert cost.correction(32, False) == pytest.approx(math.log(1.2), abs=1e-3)  # only one kind moves
 
 
 def test_trust_scales_each_token_so_an_error_compounds_along_the_chain():
