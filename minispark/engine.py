@@ -543,7 +543,7 @@ class Launched(NamedTuple):
 TRUST_PRIOR, TRUST_DECAY = 4.0, 0.98  # expected tokens of prior agreement; decay per observed chain
 GAIN_DECAY = 0.9  # per step: a row's gain remembers its last ten or so chains
 SPARK_DECAY = 0.9  # per pass: the typical Spark chain remembers the last ten or so passes
-SPARK_PATIENCE, SPARK_RELAX = 32, 0.02  # steps without a verified Spark chain, then per step back to the prior
+SPARK_PATIENCE, SPARK_RELAX = 32, 0.02  # steps without a Spark pass, then per step back to the prior
 WORTH_HORIZON = 8  # tokens of margin over which a row that will be done in time loses its worth
 BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -958,21 +958,21 @@ class LLM:
         self._spark_typical = mean if last is None else [SPARK_DECAY * x + (1 - SPARK_DECAY) * y
                                                          for x, y in zip(last, mean)]
 
-    def _relax_spark(self, verified: bool, spark_pass: bool) -> None:
-        """Only a verified Spark chain renews the plan's trust in Spark, and only a step with its
-        pass the correction of such steps' time. A plan that stopped drafting with Spark (after a
-        run of rejected chains, or sampled steps slower than the greedy profile) would hear of it
-        no more for the rest of the LLM's life, though later requests may suit it (measured: a
-        sampled run at batch 1 left Spark off for its last 758 steps). So after SPARK_PATIENCE
-        steps without a verified Spark chain, each step moves both back toward where the LLM
+    def _relax_spark(self, spark_pass: bool) -> None:
+        """Only a step with Spark's pass renews the plan's view of Spark: its trust (from the
+        chains verified) and the correction of such steps' time. A plan that stopped running the
+        pass (after a run of rejected chains, or sampled steps slower than the greedy profile)
+        would hear of Spark no more for the rest of the LLM's life, though later requests may
+        suit it (measured: a sampled run at batch 1 ran no pass in its last 758 steps). So after
+        SPARK_PATIENCE steps without a pass, each step moves both back toward where the LLM
         started by SPARK_RELAX: a drafter written off is tried again about once per patience,
         and, if still bad, written off again by its next chain."""
-        self._spark_quiet = 0 if verified else self._spark_quiet + 1
+        self._spark_quiet = 0 if spark_pass else self._spark_quiet + 1
         if self._spark_quiet <= SPARK_PATIENCE:
             return
         seen = self._seen["spark"]
         seen[:] = [x + SPARK_RELAX * (TRUST_PRIOR - x) for x in seen]
-        if not spark_pass and self._learn_cost:
+        if self._learn_cost:
             self.cost.relax(True, SPARK_RELAX)
 
     def _absorb(self, out: StepOut, owners: list, rows: list[int], spark_pass: bool,
@@ -986,8 +986,7 @@ class LLM:
         if spark_pass and count_step:  # a prefill's Spark estimates are a guess, not a pass
             self._typical_spark([a for a, req in zip(spark_a, owners) if req is not None])
         if count_step and self.engine.spark is not None:
-            self._relax_spark(any(req is not None and n[i] > 0 and length[i] > 0 and SOURCES[source[i]] == "spark"
-                                  for i, req in enumerate(owners)), spark_pass)
+            self._relax_spark(spark_pass)
         for i, (req, slot) in enumerate(zip(owners, rows)):
             # Until a first pass has run, a skipped slot keeps the prefill's guess. A slot given to
             # a new request since this step was launched (on a GPU) keeps that request's estimates.

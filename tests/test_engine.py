@@ -605,9 +605,9 @@ def test_a_drafter_whose_estimates_are_not_borne_out_loses_its_pass(tmp_path):
 
 
 def test_a_drafter_written_off_is_tried_again(tmp_path):
-    """Only a verified chain renews the plan's trust in Spark. After the certain-but-wrong
-    drafter has lost its pass, it is made right (its Markov head now follows the next answer's
-    own token pairs): the plan tries it again after a quiet stretch, rarely while it is still
+    """Only a Spark pass renews the plan's trust in Spark. After the certain-but-wrong drafter
+    has lost its pass, it is made right (its Markov head now follows the next answer's own
+    token pairs): the plan tries it again after a quiet stretch, rarely while it is still
     wrong, and then drafts with it for good. Before, the pass never ran again."""
     import json
 
