@@ -114,10 +114,9 @@ class CostModel:
         """Move the corrections of one kind of step, not timed lately, by `rate` toward the other
         kind's at the nearest size (or toward the profile where that kind is not timed either):
         an old timing stands for a device and a load that may have changed since."""
-        others = {k: v for k, v in self.drift.items() if k[1] != spark_pass}
+        other_timed = any(k[1] != spark_pass for k in self.drift)
         for key in [k for k in self.drift if k[1] == spark_pass]:
-            near = min(others, key=lambda k: (abs(k[0] - key[0]), -k[0]), default=None)
-            target = others[near] if near else 0.0
+            target = self.correction(key[0], not spark_pass) if other_timed else 0.0
             self.drift[key] += rate * (target - self.drift[key])
 
 
