@@ -421,33 +421,44 @@ class Engine:
     @torch.no_grad()
     def profile(self, budgets: Sequence[int], repeats: int = 5) -> price.CostModel:
         """Time whole steps of all S rows, every slot idle (all tokens padding), for each budget
-        without the Spark pass, then the Spark pass itself: the cost table the host plans with.
-        Idle slots change no state but the scratch row. All rows take part, as in a full batch:
-        attention over the R x (width + 1) query grid grows with the rows, so a one-row profile
-        would make drafts look cheaper than they are."""
+        without the Spark pass, then the Spark pass itself, and the largest budget over the
+        narrowest and the widest query grid (what a grid query costs): the cost table the host
+        plans with. Idle slots change no state but the scratch row. All rows take part, as in a
+        full batch: attention over the R x (width + 1) query grid grows with the rows, so a
+        one-row profile would make drafts look cheaper than they are."""
         active = self.active.clone()
         self.active.zero_()
 
-        def seconds(B: int, spark_pass: bool) -> float:
+        def width(B: int) -> int:
+            return min(chain_width(self.K, B, self.S), B)  # as `step` clamps it
+
+        def seconds(B: int, spark_pass: bool, W: int) -> float:
             start = time.perf_counter()
-            self.step(self.S, B, chain_width(self.K, B, self.S), min(self.L, 512), False, spark_pass).n.cpu()
+            self.step(self.S, B, W, min(self.L, 512), False, spark_pass).n.cpu()
             return time.perf_counter() - start  # .cpu() above waits for the device
 
-        kinds = [(B, False) for B in budgets] + ([(0, True)] if self.spark else [])
+        top = max(budgets)
+        kinds = ([(B, False, width(B)) for B in budgets] + ([(0, True, 0)] if self.spark else [])
+                 + ([(top, False, 1), (top, False, min(self.K, top))] if top > 1 else []))
         try:
-            for kind in kinds:
+            for kind in dict.fromkeys(kinds):
                 seconds(*kind)  # warm-up
             # Rounds over all kinds, the fastest of each kept: a slow spell on a shared machine
             # falls on one round of every size rather than on every round of one.
-            best = {kind: float("inf") for kind in kinds}
+            best = dict.fromkeys(kinds, float("inf"))
             for _ in progress(range(repeats), "timing steps for the cost table"):
-                for kind in kinds:
+                for kind in best:
                     best[kind] = min(best[kind], seconds(*kind))
         finally:
             self.active.copy_(active)
-        times = [best[B, False] for B in budgets]
-        spark = max(best[0, True] - best[0, False], 0.0) if self.spark else 0.0
-        return price.CostModel([self.S + B for B in budgets], times, spark=spark)
+        times = [best[B, False, width(B)] for B in budgets]
+        spark = max(best[0, True, 0] - best[0, False, 0], 0.0) if self.spark else 0.0
+        per_query = 0.0
+        if top > 1 and self.K > 1:
+            narrow, wide = best[top, False, 1], best[top, False, min(self.K, top)]
+            per_query = max(wide - narrow, 0.0) / (self.S * (min(self.K, top) - 1))
+        return price.CostModel([self.S + B for B in budgets], times, spark=spark,
+                               grids=[self.S * (width(B) + 1) for B in budgets], per_query=per_query)
 
     def finish_rule(self, slot: Tensor, out: Tensor, n_out: Tensor, broken: Tensor,
                     first_pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -824,7 +835,8 @@ class LLM:
                     self._write_trace(done)
                 yield from self._absorb(done.out, done.owners, done.rows, done.plan.spark_pass, est)
                 if self._learn_cost:  # the step's results are on the host, so its clock can be read
-                    self.cost.observe(len(done.rows) + done.plan.budget, done.plan.spark_pass, done.clock.seconds())
+                    R, (budget, width, _, spark_pass) = len(done.rows), done.plan
+                    self.cost.observe(R + budget, spark_pass, done.clock.seconds(), R * (width + 1))
 
     def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
         for slot, req in enumerate(self._slots):
@@ -865,20 +877,23 @@ class LLM:
             share = self._slowest_share(rows, best, worth, queued)
             scaled = (trusted * (torch.tensor(worth) * share)[:, None, None]).tolist()
             scaled = dict(zip(rows, scaled))
-            longest = 0
             for with_spark in (False, True) if eng.spark else (False,):
                 # A budget is worth the pairs within the step's widest chain only: the device
                 # admits nothing past it (counting them made small steps look like bargains).
                 for W, group in itertools.groupby(self._budgets, lambda B: chain_width(eng.K, B, len(rows))):
                     chains = [max((c[:W] for c in scaled[i]), key=sum) if with_spark else scaled[i][0][:W]
                               for i in rows]
-                    a = sorted((x for chain in chains for x in chain), reverse=True)
-                    B, r = price.best_budget(R, sum(worth), a, list(group), self.cost, with_spark)
+                    a, reach = price.ranked(chains)
+                    # Attention runs over a grid of R x (width + 1) queries, however few are real:
+                    # a budget spread one token per row needs width 1, not the 4 a fair share
+                    # would give, and its step costs that grid.
+                    group = list(group)
+                    widths = [min(W, B, bucket(reach[min(B, len(reach)) - 1], WIDTHS)) if B and reach else 0
+                              for B in group]
+                    B, r = price.best_budget(R, sum(worth), a, group, self.cost, with_spark,
+                                             [R * (w + 1) for w in widths])
                     if r > rate:
-                        budget, spark_pass, rate, longest = B, with_spark, r, price.longest_admitted(chains, B)
-            # Attention runs over a grid of R x (width + 1) queries, however few are real: a
-            # budget spread one token per row needs width 1, not the 4 a fair share would give.
-            width = min(chain_width(eng.K, budget, len(rows)), bucket(longest, WIDTHS))
+                        budget, spark_pass, rate, width = B, with_spark, r, widths[group.index(B)]
             budget = budget if width else 0  # nothing admitted: the step verifies no drafts
         # This step writes positions up to what the host knows, plus `unseen`, plus the chain. A
         # prefix no longer than needed matters: every row's attention reads all of it.

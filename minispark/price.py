@@ -57,26 +57,46 @@ class CostModel:
     corrected by the steps the engine times as it runs (`observe`).
 
     The profile interpolates linearly between measured sizes and goes on along the line through
-    the first and last of them outside, never below proportional to T.
+    the first and last of them outside, never below proportional to T. Attention runs over a
+    grid of R x (width + 1) queries however few are real, so a step's time also depends on its
+    widest chain: each size was timed at some grid (`grids`), and a step over another grid
+    costs `per_query` seconds a query more or less. (Without it one wide step, a single row
+    copying 32 tokens among 16, taught the table that its size costs 2.5x what it costs at
+    the usual width, and the plan avoided that size for the rest of the run.)
     """
 
     LEARN = 0.3  # weight of each new timing in the running correction of its size
 
-    def __init__(self, sizes: list[int], seconds: list[float], spark: float = 0.0):
-        if len(sizes) != len(seconds) or not sizes:
-            raise ValueError("CostModel needs one time per size")
-        self.spark = spark
+    def __init__(self, sizes: list[int], seconds: list[float], spark: float = 0.0,
+                 grids: list[int] | None = None, per_query: float = 0.0):
+        if len(sizes) != len(seconds) or not sizes or (grids is not None and len(grids) != len(sizes)):
+            raise ValueError("CostModel needs one time (and one grid, if any) per size")
+        self.spark, self.per_query = spark, per_query
         order = sorted(range(len(sizes)), key=sizes.__getitem__)
         self.sizes = [sizes[i] for i in order]
         self.times = monotone([seconds[i] for i in order])
+        self.grids = None if grids is None else [grids[i] for i in order]
         self.drift: dict[tuple[int, bool], float] = {}  # (T, spark pass) -> log(measured / profiled)
 
-    def seconds(self, T: int, spark_pass: bool = False) -> float:
-        """Expected time of a step verifying T tokens, with or without the Spark pass."""
-        return self.profiled(T, spark_pass) * math.exp(self.correction(T, spark_pass))
+    def seconds(self, T: int, spark_pass: bool = False, queries: int | None = None) -> float:
+        """Expected time of a step verifying T tokens over a grid of `queries` (None: the grid
+        the profile timed at T), with or without the Spark pass."""
+        return self.profiled(T, spark_pass, queries) * math.exp(self.correction(T, spark_pass))
 
-    def profiled(self, T: int, spark_pass: bool = False) -> float:
-        return self.curve(T) + (self.spark if spark_pass else 0.0)
+    def profiled(self, T: int, spark_pass: bool = False, queries: int | None = None) -> float:
+        grid = 0.0
+        if queries is not None and self.grids is not None:
+            grid = self.per_query * (queries - self.grid(T))
+        # Floored so that a slope timed on a noisy machine never makes a narrow step look free.
+        return max(self.curve(T) + grid, 0.5 * self.curve(T)) + (self.spark if spark_pass else 0.0)
+
+    def grid(self, T: int) -> float:
+        """The query grid the profile timed at T (interpolated; the nearest end outside)."""
+        s, g = self.sizes, self.grids
+        for (s0, g0), (s1, g1) in zip(zip(s, g), zip(s[1:], g[1:])):
+            if s0 <= T <= s1:
+                return g0 + (g1 - g0) * (T - s0) / max(s1 - s0, 1)
+        return g[0] if T < s[0] else g[-1]
 
     def curve(self, T: int) -> float:
         """The profiled step time without the Spark pass."""
@@ -101,12 +121,13 @@ class CostModel:
         key = min(self.drift, key=lambda k: (k[1] != spark_pass, abs(k[0] - T), -k[0]))
         return self.drift[key]
 
-    def observe(self, T: int, spark_pass: bool, seconds: float) -> None:
-        """Fold in the measured time of a step verifying T tokens. A size's first timing starts
-        from its neighbours' correction, so one outlier moves the table by LEARN of its error."""
+    def observe(self, T: int, spark_pass: bool, seconds: float, queries: int | None = None) -> None:
+        """Fold in the measured time of a step verifying T tokens over a grid of `queries`. A
+        size's first timing starts from its neighbours' correction, so one outlier moves the
+        table by LEARN of its error."""
         if not seconds > 0:
             return
-        x = math.log(seconds / self.profiled(T, spark_pass))
+        x = math.log(seconds / self.profiled(T, spark_pass, queries))
         prior = self.correction(T, spark_pass)
         self.drift[T, spark_pass] = prior + self.LEARN * (x - prior)
 
@@ -134,10 +155,11 @@ def monotone(times: list[float]) -> list[float]:
 
 
 def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list[int], cost: CostModel,
-                spark_pass: bool = False) -> tuple[int, float]:
+                spark_pass: bool = False, grids: list[int] | None = None) -> tuple[int, float]:
     """DSpark's adaptive verification on the host: the budget B (from `budgets`) maximising
     expected tokens per second, (active + sum of the top-B survivals) / cost(rows + B), with
-    the Spark pass's time added when the step runs it. Returns B and that rate.
+    the Spark pass's time added when the step runs it and, where given, each budget's query
+    grid (`grids`, one per budget). Returns B and that rate.
 
     `a_sorted` are survivals the host already holds, largest first: it never waits for a
     step's Spark drafts, and B is fixed before they are sampled (which keeps sampling lossless;
@@ -146,8 +168,9 @@ def best_budget(n_rows: int, n_active: int, a_sorted: list[float], budgets: list
     cum = [0.0]
     for a in a_sorted:
         cum.append(cum[-1] + a)
-    for B in budgets:
-        rate = (n_active + cum[min(B, len(cum) - 1)]) / cost.seconds(n_rows + B, spark_pass)
+    for i, B in enumerate(budgets):
+        seconds = cost.seconds(n_rows + B, spark_pass, grids[i] if grids else None)
+        rate = (n_active + cum[min(B, len(cum) - 1)]) / seconds
         if rate > best_rate + 1e-12:
             best, best_rate = B, rate
     return best, best_rate
@@ -194,14 +217,17 @@ def luck_spread(a: Tensor, steps: float) -> Tensor:
     return (var.clamp(min=0) / max(steps, 1.0)).sqrt()
 
 
-def longest_admitted(chains: list[list[float]], budget: int) -> int:
-    """The longest chain `admit_top` takes over the host's survivals `chains` (ragged lists,
-    padded with zeros): the host sizes the step's widest chain by the device's own rule."""
-    K = max(map(len, chains), default=0)
-    if K == 0:
-        return 0
-    a = torch.tensor([chain + [0.0] * (K - len(chain)) for chain in chains])
-    return int(admit_top(a, budget).max())
+def ranked(chains: list[list[float]]) -> tuple[list[float], list[int]]:
+    """The survivals of every (row, position) pair of `chains` (ragged lists), largest first,
+    and for each prefix of them the longest chain that admitting it takes: the widest chain of
+    a top-B admission, by `admit_top`'s rule (ties to the earlier position, zeros never
+    admitted), for every B at once."""
+    pairs = sorted((-x, j) for chain in chains for j, x in enumerate(chain))
+    reach, longest = [], 0
+    for x, j in pairs:
+        longest = max(longest, j + 1) if x < 0 else longest
+        reach.append(longest)
+    return [-x for x, _ in pairs], reach
 
 
 # ----------------------------------------------------------------------------- the price

@@ -756,18 +756,23 @@ def test_the_plan_values_a_budget_only_by_the_pairs_its_step_can_verify(monkeypa
         live.append(len(rows))
         return real_worth(rows, queued)
 
-    def best_budget(n_rows, n_active, a, budgets, cost, spark_pass=False):
-        seen.append((live[-1], len(a), list(budgets)))
-        return real_best(n_rows, n_active, a, budgets, cost, spark_pass)
+    def best_budget(n_rows, n_active, a, budgets, cost, spark_pass=False, grids=None):
+        seen.append((live[-1], len(a), list(budgets), n_rows, grids))
+        return real_best(n_rows, n_active, a, budgets, cost, spark_pass, grids)
 
     monkeypatch.setattr(llm, "_worth", worth)
     monkeypatch.setattr(E.price, "best_budget", best_budget)
     llm.generate([[5, 6, 7, 8, 9] * 4] * 16, SamplingParams(temperature=0, max_tokens=12))
     K = llm.engine.K
-    assert any(0 < pairs < n * K for n, pairs, _ in seen)  # some steps cut chains short
-    for n, pairs, budgets in seen:
+    assert any(0 < pairs < n * K for n, pairs, *_ in seen)  # some steps cut chains short
+    for n, pairs, budgets, R, grids in seen:
         widths = {E.chain_width(K, B, n) for B in budgets}
-        assert len(widths) == 1 and pairs <= n * widths.pop()
+        W = widths.pop()
+        assert not widths and pairs <= n * W
+        # Each budget is priced at the grid of its own widest admitted chain, within the cap.
+        assert all(R <= g <= R * (min(W, B) + 1) for B, g in zip(budgets, grids))
+    assert any(g < R * (min(E.chain_width(K, B, n), B) + 1) for n, _, budgets, R, grids in seen
+               for B, g in zip(budgets, grids))  # and some grids are narrower than the cap
 
 
 def test_with_no_request_waiting_luck_over_the_steps_left_holds_back_drafts(monkeypatch):

@@ -272,19 +272,25 @@ def test_best_budget_pays_for_the_spark_pass():
 
 
 def test_the_widest_chain_the_host_plans_for_matches_the_device_admission():
-    from minispark.price import longest_admitted
+    from minispark.price import ranked
+
+    def longest(chains, budget):  # the widest chain of a top-`budget` admission, by `ranked`
+        reach = ranked(chains)[1]
+        return reach[min(budget, len(reach)) - 1] if budget > 0 and reach else 0
 
     torch.manual_seed(0)
     for _ in range(50):
         a = survival(torch.rand(5, 8), torch.randint(0, 9, (5,)))
         chains = a.tolist()
+        values = ranked(chains)[0]
+        assert values == sorted(a.flatten().tolist(), reverse=True)
         for budget in (0, 1, 3, 7, 40):
-            assert longest_admitted(chains, budget) == int(admit_top(a, budget).max())
+            assert longest(chains, budget) == int(admit_top(a, budget).max())
     # One likely token in each of four rows is a width of 1, whatever the budget's fair share.
-    assert longest_admitted([[0.6, 0.1], [0.5, 0.1], [0.7, 0.2], [0.4, 0.05]], 4) == 1
+    assert longest([[0.6, 0.1], [0.5, 0.1], [0.7, 0.2], [0.4, 0.05]], 4) == 1
     # The host's chains are ragged (a row without a chain has none); ties go to earlier positions.
-    assert longest_admitted([[0.5, 0.5, 0.5], [], [0.5]], 3) == 2
-    assert longest_admitted([[], []], 4) == 0 and longest_admitted([], 4) == 0
+    assert longest([[0.5, 0.5, 0.5], [], [0.5]], 3) == 2
+    assert longest([[], []], 4) == 0 and longest([], 4) == 0 and ranked([]) == ([], [])
 
 
 def test_the_cost_table_pools_noisy_timings_into_a_monotone_one():
@@ -330,6 +336,31 @@ def test_the_cost_table_learns_from_the_steps_it_times():
     fresh = CostModel([16, 17, 32], [1.0, 1.02, 1.5])
     assert best_budget(16, 16, [0.5], [0, 1], fresh)[0] == 1
     assert best_budget(16, 16, [0.5], [0, 1], cost)[0] == 0
+
+
+def test_a_wide_step_teaches_the_table_its_grid_not_its_size():
+    """Attention runs over R x (width + 1) queries: the table prices a step by its grid too, so
+    that one wide step (a single row copying 32 tokens among 16) does not make its size look
+    dear at the usual width for the rest of the run."""
+    from minispark.price import CostModel, best_budget
+
+    cost = CostModel([16, 80], [1.0, 2.0], grids=[16, 144], per_query=0.002)
+    assert cost.seconds(80) == cost.seconds(80, queries=144) == pytest.approx(2.0)
+    assert cost.seconds(80, queries=528) == pytest.approx(2.0 + 0.002 * 384)
+    assert cost.seconds(80, queries=80) == pytest.approx(2.0 - 0.002 * 64)  # narrower: cheaper
+    assert cost.seconds(48, queries=80) == pytest.approx(1.5)  # the grid interpolates with the size
+    assert cost.seconds(80, queries=0) >= 1.0  # a noisy slope never makes a step look free
+    for _ in range(10):  # wide steps that take what their grid costs
+        cost.observe(80, False, 2.768, queries=528)
+    assert cost.seconds(80, queries=144) == pytest.approx(2.0, rel=1e-3)
+    old = CostModel([16, 80], [1.0, 2.0])  # the table without grids learnt 1.38x for the size
+    for _ in range(10):
+        old.observe(80, False, 2.768)
+    assert old.seconds(80) > 2.7
+    # The plan weighs each budget's own grid: 64 tokens over a wide grid lose to 16 over a narrow one.
+    a = [0.9] * 64
+    assert best_budget(16, 16, a, [16, 64], cost, grids=[32, 144])[0] == 64
+    assert best_budget(16, 16, a, [16, 64], cost, grids=[32, 1040])[0] == 16
 
 
 def test_an_old_timing_relaxes_toward_the_steps_timed_since():
