@@ -835,8 +835,8 @@ class LLM:
                     self._write_trace(done)
                 yield from self._absorb(done.out, done.owners, done.rows, done.plan.spark_pass, est)
                 if self._learn_cost:  # the step's results are on the host, so its clock can be read
-                    R, (budget, width, _, spark_pass) = len(done.rows), done.plan
-                    self.cost.observe(R + budget, spark_pass, done.clock.seconds(), R * (width + 1))
+                    n, plan = len(done.rows), done.plan
+                    self.cost.observe(n + plan.budget, plan.spark_pass, done.clock.seconds(), n * (plan.width + 1))
 
     def _drop_cancelled(self, waiting: deque) -> Iterator[Delta]:
         for slot, req in enumerate(self._slots):

@@ -62,7 +62,7 @@ class CostModel:
     widest chain: each size was timed at some grid (`grids`), and a step over another grid
     costs `per_query` seconds a query more or less. (Without it one wide step, a single row
     copying 32 tokens among 16, taught the table that its size costs 2.5x what it costs at
-    the usual width, and the plan avoided that size for the rest of the run.)
+    the usual width, and the next run kept to smaller budgets.)
     """
 
     LEARN = 0.3  # weight of each new timing in the running correction of its size
