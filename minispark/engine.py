@@ -438,8 +438,9 @@ class Engine:
             return time.perf_counter() - start  # .cpu() above waits for the device
 
         top = max(budgets)
+        widest = min(self.K, top)
         kinds = ([(B, False, width(B)) for B in budgets] + ([(0, True, 0)] if self.spark else [])
-                 + ([(top, False, 1), (top, False, min(self.K, top))] if top > 1 else []))
+                 + ([(top, False, 1), (top, False, widest)] if top > 1 else []))
         try:
             for kind in dict.fromkeys(kinds):
                 seconds(*kind)  # warm-up
@@ -454,9 +455,9 @@ class Engine:
         times = [best[B, False, width(B)] for B in budgets]
         spark = max(best[0, True, 0] - best[0, False, 0], 0.0) if self.spark else 0.0
         per_query = 0.0
-        if top > 1 and self.K > 1:
-            narrow, wide = best[top, False, 1], best[top, False, min(self.K, top)]
-            per_query = max(wide - narrow, 0.0) / (self.S * (min(self.K, top) - 1))
+        if widest > 1:
+            narrow, wide = best[top, False, 1], best[top, False, widest]
+            per_query = max(wide - narrow, 0.0) / (self.S * (widest - 1))
         return price.CostModel([self.S + B for B in budgets], times, spark=spark,
                                grids=[self.S * (width(B) + 1) for B in budgets], per_query=per_query)
 
@@ -888,8 +889,7 @@ class LLM:
                     # a budget spread one token per row needs width 1, not the 4 a fair share
                     # would give, and its step costs that grid.
                     group = list(group)
-                    widths = [min(W, B, bucket(reach[min(B, len(reach)) - 1], WIDTHS)) if B and reach else 0
-                              for B in group]
+                    widths = [min(W, B, bucket(reach[min(B, len(reach) - 1)], WIDTHS)) for B in group]
                     B, r = price.best_budget(R, sum(worth), a, group, self.cost, with_spark,
                                              [R * (w + 1) for w in widths])
                     if r > rate:

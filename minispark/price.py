@@ -219,11 +219,11 @@ def luck_spread(a: Tensor, steps: float) -> Tensor:
 
 def ranked(chains: list[list[float]]) -> tuple[list[float], list[int]]:
     """The survivals of every (row, position) pair of `chains` (ragged lists), largest first,
-    and for each prefix of them the longest chain that admitting it takes: the widest chain of
-    a top-B admission, by `admit_top`'s rule (ties to the earlier position, zeros never
-    admitted), for every B at once."""
+    and `reach[B]`, the longest chain that admitting the first B of them takes: the widest
+    chain of a top-B admission, by `admit_top`'s rule (ties to the earlier position, zeros
+    never admitted), for every B at once (a B past the last pair reads the last entry)."""
     pairs = sorted((-x, j) for chain in chains for j, x in enumerate(chain))
-    reach, longest = [], 0
+    reach, longest = [0], 0
     for x, j in pairs:
         longest = max(longest, j + 1) if x < 0 else longest
         reach.append(longest)

@@ -276,7 +276,7 @@ def test_the_widest_chain_the_host_plans_for_matches_the_device_admission():
 
     def longest(chains, budget):  # the widest chain of a top-`budget` admission, by `ranked`
         reach = ranked(chains)[1]
-        return reach[min(budget, len(reach)) - 1] if budget > 0 and reach else 0
+        return reach[min(budget, len(reach) - 1)]
 
     torch.manual_seed(0)
     for _ in range(50):
@@ -290,7 +290,7 @@ def test_the_widest_chain_the_host_plans_for_matches_the_device_admission():
     assert longest([[0.6, 0.1], [0.5, 0.1], [0.7, 0.2], [0.4, 0.05]], 4) == 1
     # The host's chains are ragged (a row without a chain has none); ties go to earlier positions.
     assert longest([[0.5, 0.5, 0.5], [], [0.5]], 3) == 2
-    assert longest([[], []], 4) == 0 and longest([], 4) == 0 and ranked([]) == ([], [])
+    assert longest([[], []], 4) == 0 and longest([], 4) == 0 and ranked([]) == ([], [0])
 
 
 def test_the_cost_table_pools_noisy_timings_into_a_monotone_one():
