@@ -885,7 +885,8 @@ class LLM:
         upto = round_up(max(slots[i].known_len for i in src) + unseen + 1, 256)
         self.engine.move(src, dst, upto)
         for s, d in zip(src, dst):
-            slots[d], slots[s], slots[d].slot = slots[s], None, d
+            req = slots[s]
+            slots[d], slots[s], req.slot = req, None, d
             est[d], est[s] = est[s], ([], [])
             self._gain[d], self._gain[s] = self._gain[s], None
 
@@ -1057,8 +1058,7 @@ class LLM:
             # follow the request to where it runs now (compaction may have moved it since this
             # step was launched, on a GPU); a slot given to a new request keeps that one's.
             if req is not None and req.slot is not None:
-                at = req.slot
-                est[at] = (ngram_a[i], spark_a[i] if spark_pass else self._spark_typical or est[at][1])
+                est[req.slot] = (ngram_a[i], spark_a[i] if spark_pass else self._spark_typical or est[req.slot][1])
             if count_step and req is not None and n[i] > 0:
                 if length[i] > 0:  # the positions reached: the accepted ones and the first rejected
                     self._observe(SOURCES[source[i]], sum(per_tok[i][: min(n_draft[i] + 1, length[i])]), n_draft[i])
