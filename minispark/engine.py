@@ -154,7 +154,8 @@ class Engine:
 
     # The state indexed by slot (first dimension S), besides the cache rows: what `move` carries.
     PER_SLOT = ("tokens", "lens", "next_tok", "n_gen", "max_new", "active", "worth", "temperature", "top_p",
-                "top_k", "seed", "stop_ids", "ng_last", "ng_tok", "ng_valid", "ng_m")
+                "top_k", "seed", "stop_ids")
+    PER_SLOT_NGRAM = ("ng_last", "ng_tok", "ng_valid", "ng_m")  # where the n-gram drafter runs
 
     def __init__(self, model: Transformer, spec: str, max_batch_size: int, max_seq_len: int, ngram_k: int = 32,
                  ngram: NgramDrafter | None = None, spark: SparkDrafter | None = None,
@@ -225,11 +226,14 @@ class Engine:
         """Zero `slot`'s rows of the KV caches (the target's and Spark's context) after a request
         there broke: attention weighs a masked position by 0, and 0 x NaN is NaN, so a NaN key
         left past the next prompt's end would break every later request in the slot."""
-        caches = [layer.attention for layer in self.model.layers]
-        caches += [layer.attention for layer in self.spark.layers] if self.spark else []
-        for att in caches:
+        for att in self.caches():
             att.k_cache[slot].zero_()
             att.v_cache[slot].zero_()
+
+    def caches(self) -> list[torch.nn.Module]:
+        """The attention modules holding a KV cache row per slot: the target's and Spark's context."""
+        spark = [layer.attention for layer in self.spark.layers] if self.spark else []
+        return [layer.attention for layer in self.model.layers] + spark
 
     def move(self, src: list[int], dst: list[int], upto: int) -> None:
         """Move the requests in slots `src` to free slots `dst`: their histories, settings,
@@ -237,15 +241,12 @@ class Engine:
         beyond which nothing has been written). Nothing depends on a request's slot, so its
         tokens stay the same (sampling's noise is keyed by seed and position)."""
         s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
-        for name in self.PER_SLOT:
-            if hasattr(self, name):  # the n-gram drafter's state exists where it runs
-                t = getattr(self, name)
-                t[d] = t[s]
+        for name in self.PER_SLOT + (self.PER_SLOT_NGRAM if self.ngram else ()):
+            t = getattr(self, name)
+            t[d] = t[s]
         self.active[s] = False
-        caches = [layer.attention for layer in self.model.layers]
-        caches += [layer.attention for layer in self.spark.layers] if self.spark else []
         upto = min(upto, self.L)
-        for att in caches:
+        for att in self.caches():
             att.k_cache[d, :upto] = att.k_cache[s, :upto]
             att.v_cache[d, :upto] = att.v_cache[s, :upto]
 
@@ -842,10 +843,11 @@ class LLM:
                 yield from self._absorb(out, [slots[s] for s in admitted], True, est, count_step=False)
             launched = None
             if any(slots):
-                self._compact(est, unseen=pending.plan.width + 1 if pending else 0)
-                R = self._rows(max(i for i, r in enumerate(slots) if r) + 1)
                 # A step still in flight (on a GPU) may add up to width + 1 tokens the host has not seen.
-                plan = self._plan(R, est, queued=bool(waiting), unseen=pending.plan.width + 1 if pending else 0)
+                unseen = pending.plan.width + 1 if pending else 0
+                self._compact(est, unseen)
+                R = self._rows(max(i for i, r in enumerate(slots) if r) + 1)
+                plan = self._plan(R, est, queued=bool(waiting), unseen=unseen)
                 sampling, filtered = randomness([r.params for r in slots[:R] if r])
                 with StepClock(eng.device) as clock:
                     out = eng.step(R, plan.budget, plan.width, plan.ctx, sampling, plan.spark_pass, filtered)
