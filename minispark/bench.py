@@ -4,15 +4,16 @@
 
 Every configuration decodes the same prompts with the same weights and dtype; the table gives
 output tokens/s, ratios to a baseline column measured in the same run, and mean tokens per step.
-Within a row the systems take turns on parts of the prompt set (`--rounds`), so that a change
-in the machine's speed during the run does not tilt the ratios.
+Within a row the systems take turns, step by step, on parts of the prompt set (`--rounds`), so
+that a change in the machine's speed during the run does not tilt the ratios.
 Peers: `hf` is transformers' `generate` (greedy), `hf-pld` its prompt-lookup decoding.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .engine import LLM, SPEC_MODES, SamplingParams
-from .model import resolve_dtype
+from .model import Transformer, resolve_dtype
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, build_model, default_model, load_gguf, load_hf_folder
 from .workloads import workload
@@ -72,11 +73,18 @@ def spec_of(mode: str) -> str:
     return mode.removesuffix("-fixed")
 
 
+def twin(net: Transformer) -> Transformer:
+    """Another model over the same weights (shared, not copied) that will hold a KV cache of
+    its own: systems taking turns step by step cannot share one cache."""
+    tensors = [*net.parameters(), *net.buffers()]
+    tensors += [v for m in net.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return copy.deepcopy(net, memo={id(t): t for t in tensors})
+
+
 def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int, temperature: float,
                   max_seq_len: int, drafter: Path | None, compile: bool = False) -> LLM:
-    """An LLM for one mode, profiled and warmed up. The LLMs of one table row share the model
-    and its KV cache (the same batch and length): each `generate` starts from empty slots and
-    its prefill writes the cache it reads, so they may take turns."""
+    """An LLM for one mode, profiled and warmed up. Give each mode of a row its own `twin` of
+    the model: their steps interleave, and each LLM allocates the KV cache of its model."""
     spec = spec_of(mode)
     llm = LLM.from_model(net, tok, spec=spec, max_batch_size=batch, max_seq_len=max_seq_len,
                          drafter=drafter, compile=compile, adaptive=spec == mode)
@@ -85,13 +93,22 @@ def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int
 
 
 def run_minispark(llm: LLM, mode: str, prompts: list[list[int]], batch: int, max_tokens: int,
-                  temperature: float) -> Result:
+                  temperature: float) -> Generator[None, None, Result]:
+    """Stream the prompts, pausing after each piece of streamed text (at most one step's work)
+    so that other systems may take a turn; timed only while it runs."""
     # No seed: each request gets its own from the LLM's (0) and its request id, the same for a
     # prompt in every mode (each runs the same parts in the same order).
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    stream = llm.stream(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    outs, seconds = {}, 0.0
+    while True:
+        start = time.perf_counter()
+        delta = next(stream, None)
+        seconds += time.perf_counter() - start
+        if delta is None:
+            break
+        outs[delta.output.request_id] = delta.output
+        yield
+    outs = [outs[i] for i in sorted(outs)]  # request ids count up in prompt order
     chains = {k: sum(o.chains[k] for o in outs) for k in outs[0].chains}
     answers = [up_to_stop(o.token_ids, llm.tokenizer.stop_ids) for o in outs]
     return Result(mode, "", batch, sum(len(o.token_ids) for o in outs), seconds, sum(o.num_steps for o in outs),
@@ -119,9 +136,10 @@ def hf_model(args, hf_sd, dtype: torch.dtype):
 
 
 def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_ids: tuple[int, ...],
-           prompt_lookup: bool) -> Result:
-    """transformers' generate, `batch` prompts at a time (left-padded), greedy. Prompt lookup
-    decoding runs one prompt at a time: transformers supports it only at batch size 1."""
+           prompt_lookup: bool) -> Generator[None, None, Result]:
+    """transformers' generate, `batch` prompts at a time (left-padded), greedy, pausing after
+    each call. Prompt lookup decoding runs one prompt at a time: transformers supports it only
+    at batch size 1."""
     group_size = 1 if prompt_lookup else batch
     kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
     if prompt_lookup:
@@ -140,25 +158,36 @@ def run_hf(model, prompts: list[list[int]], batch: int, max_tokens: int, stop_id
             for row in out.tolist():
                 answers.append(up_to_stop(row, stop_ids))
                 tokens += min(len(answers[-1]) + 1, len(row))  # the stop token counts, as in minispark
+            yield
     return Result("hf-pld" if prompt_lookup else "hf", "", batch, tokens, seconds, answers=answers)
 
 
-def run_row(systems: dict[str, Callable[[list[list[int]]], Result]], prompts: list[list[int]], batch: int,
-            rounds: int) -> list[Result]:
-    """Every system on the same prompts, in parts: each part runs through all systems in turn,
-    in reverse order on every other part, so that a machine whose speed drifts during the run
-    (a shared VM's moves by tens of percent within minutes) slows every system alike. A part
-    holds at least `batch` prompts; each system's result sums its parts. Prompts for one part
-    only (with rounds > 1) run twice, in both orders, so that the systems still take turns."""
+def run_row(systems: dict[str, Callable[[list[list[int]]], Generator[None, None, Result]]],
+            prompts: list[list[int]], batch: int, rounds: int) -> list[Result]:
+    """Every system on the same prompts, taking turns: each system is a generator that pauses
+    after a piece of work (at most one minispark step; one transformers `generate` call) and
+    returns its timed Result, and the systems of a part run a piece each in turn until all
+    are done, so that a machine whose speed drifts (a shared VM's moves by tens of percent
+    within minutes) slows every system alike. (Chat at batch 16 on this project's CPU, four
+    repeats: run one after another in both orders, a second `off` made 0.98x to 1.00x the
+    first's tokens/s and `ngram` 0.92x to 1.00x; taking turns step by step, 1.00x to 1.01x and
+    0.97x every time.) The prompts are split into parts of at least `batch` prompts, and every
+    other part starts with the last system; each system's result sums its parts. Prompts for
+    one part only (with rounds > 1) run twice, once in each order."""
     n_parts = max(1, min(rounds, len(prompts) // batch))
     parts = [prompts[i::n_parts] for i in range(n_parts)]
     if n_parts == 1 and rounds > 1:
         parts *= 2
     totals: dict[str, Result] = {}
     for i, part in enumerate(parts):
-        for name in list(systems)[:: 1 if i % 2 == 0 else -1]:
-            r = systems[name](part)
-            totals[name] = totals[name] + r if name in totals else r
+        running = {name: systems[name](part) for name in list(systems)[:: 1 if i % 2 == 0 else -1]}
+        while running:
+            for name in list(running):
+                try:
+                    next(running[name])
+                except StopIteration as done:
+                    del running[name]
+                    totals[name] = totals[name] + done.value if name in totals else done.value
     return [totals[name] for name in systems]
 
 
@@ -327,11 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     peer_model = hf_model(args, hf_sd, dtype) if peers else None
     del hf_sd
     results = []
+    nets = {m: twin(net) for m in modes}
     for w in workloads:
         prompts = [tok.encode_chat(c) for c in workload(w, a.n)]
         max_seq_len = max(map(len, prompts)) + max_tokens[w] + 64
         for b in batches:
-            llms = {m: minispark_llm(net, tok, m, prompts[0], b, a.temperature, max_seq_len, drafter, a.compile)
+            llms = {m: minispark_llm(nets[m], tok, m, prompts[0], b, a.temperature, max_seq_len, drafter, a.compile)
                     for m in modes}
             systems = {m: (lambda part, m=m: run_minispark(llms[m], m, part, b, max_tokens[w], a.temperature))
                        for m in modes}
