@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import FeedForward, Linear, ModelArgs, RMSNorm, apply_rope, attend, rope_frequencies
+from .model import FeedForward, Linear, ModelArgs, RMSNorm, apply_rope, attend, grid_bias, rope_frequencies
 from .verify import greedy, sample
 
 
@@ -230,7 +230,7 @@ class SparkDrafter(nn.Module):
         x = x.flatten(1, 2)  # [B, Q, dim]
         qpos = (pos[:, :, None] + torch.arange(g, device=pos.device)).flatten(1)  # [B, Q]
         cos, sin = self.rope(qpos, x.dtype)
-        mask = block_mask(ctx_mask, g)
+        mask = grid_bias(block_mask(ctx_mask, g), self.args.n_heads // self.args.n_kv_heads, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x)

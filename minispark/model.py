@@ -92,9 +92,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).type_as(x)
+        # In fp32, as HF normalises; one fused op, not eight small ones: eager decode runs 61
+        # norms a step, and the small ops cost 0.3 ms of a step on this project's CPU.
+        return F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps).type_as(x)
 
 
 class Attention(nn.Module):
@@ -132,7 +132,7 @@ def cpu_has(feature: str) -> bool:
 
 
 # AMX tiles make the grouped-query attention kernel the faster one at some grid widths (see
-# `attend`); AVX512-BF16 or AMX compute bf16 natively (see `resolve_dtype`).
+# `stacks`); AVX512-BF16 or AMX compute bf16 natively (see `resolve_dtype`).
 CPU_HAS_AMX = cpu_has("amx_tile")
 CPU_HAS_BF16 = CPU_HAS_AMX or cpu_has("avx512_bf16")
 
@@ -151,29 +151,53 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch_dtype
 
 
+def stacks(Q: int, G: int, device: torch.device) -> bool:
+    """Whether `attend` runs a grid of Q columns with G query heads per key head as one plain
+    attention, the G query heads of each key head stacked along the query axis, rather than
+    the grouped-query kernel: what was measured faster on CPUs (demo model, bf16, 16 rows, per
+    layer). With AMX, stacking won at 2 to 9 columns (a slot verifying a few drafts; Spark's
+    block): the grouped kernel took 0.87 ms for 2 columns over 512 positions against 0.41 for 1
+    (stacked, 0.47), and 2.3 ms against 1.4 for Spark's block of 7; at 1 column, or many, the
+    grouped kernel was the faster. Without AMX (an AVX512-BF16 EPYC), stacking won at every
+    width, by 4-7x at 1 column (1.3 ms against 9.2 over 1,024 positions; stacked, `off` ran
+    1.7x as fast on chat at batch 16) and by 1.2-1.4x at 9 to 65. On a GPU the grouped kernel
+    runs."""
+    return device.type == "cpu" and G > 1 and (2 <= Q <= 9 or not CPU_HAS_AMX)
+
+
+def grid_bias(mask: Tensor, G: int, dtype: torch.dtype, stack: bool | None = None) -> Tensor:
+    """The additive form of a mask [R, 1, Q, C] (bool: which keys each query sees), laid out
+    as `attend` reads it for G query heads per key head: 0 where a query sees a key, -inf
+    elsewhere, in the queries' dtype, and repeated G times along the query axis, rows (g, q),
+    where attend stacks the heads. A forward builds it once for all its layers: SDPA turns a
+    bool mask into this form on every call, and on this project's CPU that was a third of the
+    attention of a decode step (16 rows x 1 column over 512 positions, bf16: 0.89 ms a layer
+    with the bool mask, 0.63 with this one)."""
+    if stack is None:
+        stack = stacks(mask.shape[2], G, mask.device)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(1, 1, G, 1) if stack else bias
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, stack: bool | None = None) -> Tensor:
     """Attention of a query grid q [R, Q, H, D] over keys and values [R, Hkv, C, D] under mask
-    [R, 1, Q, C]; returns [R, Q, H, D].
+    [R, 1, Q, C] (bool), or its `grid_bias`, built for the same `stack`; returns [R, Q, H, D].
 
     `stack` runs it as one plain attention with the G query heads of each key head stacked
     along the query axis, [R, Hkv, G * Q, D], instead of the grouped-query kernel; None
-    chooses by what was measured on CPUs (demo model, bf16, 16 rows, per layer). With AMX,
-    stacking won at 2 to 9 columns (a slot verifying a few drafts; Spark's block): the grouped
-    kernel took 0.87 ms for 2 columns over 512 positions against 0.41 for 1 (stacked, 0.47), and
-    2.3 ms against 1.4 for Spark's block of 7; at 1 column, or many, the grouped kernel was the
-    faster. Without AMX (an AVX512-BF16 EPYC), stacking won at every width, by 4-7x at 1 column
-    (1.3 ms against 9.2 over 1,024 positions; stacked, `off` ran 1.7x as fast on chat at batch
-    16) and by 1.2-1.4x at 9 to 65. On a GPU the grouped kernel runs."""
+    chooses by what was measured (`stacks`)."""
     R, Q, H, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     if stack is None:
-        stack = q.device.type == "cpu" and G > 1 and (2 <= Q <= 9 or not CPU_HAS_AMX)
+        stack = stacks(Q, G, q.device)
+    if mask.dtype == torch.bool:
+        mask = grid_bias(mask, G, q.dtype, stack)
     if not stack:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=G > 1)
         return out.transpose(1, 2)
     stacked = q.view(R, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * Q, D)  # rows (g, q)
-    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask.repeat(1, 1, G, 1))  # [R, Hkv, G*Q, D]
+    out = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask)  # [R, Hkv, G*Q, D]
     return out.view(R, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(R, Q, H, D)
 
 
@@ -295,7 +319,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(b.tokens)  # [T, dim]
         freqs = b.pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
-        mask = self.attention_mask(b)
+        mask = grid_bias(self.attention_mask(b), self.args.n_heads // self.args.n_kv_heads, x.dtype)
         hidden = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, b, cos, sin, mask)

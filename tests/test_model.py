@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_hf_config
-from minispark.model import Batch, Linear, Transformer, attend, can_pack
+from minispark.model import Batch, Linear, Transformer, attend, can_pack, grid_bias, stacks
 from minispark.weights import args_from_hf_config, build_model
 
 ATOL = 1e-4
@@ -321,7 +321,8 @@ def test_llama_output_projection_bias_is_refused():
 def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
     """The path that stacks each key head's query heads along the query axis computes the
     same attention as the grouped-query kernel, mask and head order included, at every width
-    (which path runs where depends on the CPU)."""
+    (which path runs where depends on the CPU), from the bool mask or from the additive one a
+    forward builds once for its layers."""
     torch.manual_seed(Q)
     (H, Hkv), R, C, D = heads, 3, 11, 8
     q, k, v = torch.randn(R, Q, H, D), torch.randn(R, Hkv, C, D), torch.randn(R, Hkv, C, D)
@@ -330,6 +331,9 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=H != Hkv).transpose(1, 2)
     torch.testing.assert_close(attend(q, k, v, mask, stack), want)
+    bias = grid_bias(mask, H // Hkv, q.dtype, stack)
+    assert bias.shape[2] == (Q * H // Hkv if (stacks(Q, H // Hkv, q.device) if stack is None else stack) else Q)
+    torch.testing.assert_close(attend(q, k, v, bias, stack), want)
 
 
 @pytest.mark.parametrize("variant", ["gqa_tied", "qkv_bias_qwen2"])
