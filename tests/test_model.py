@@ -331,8 +331,9 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=H != Hkv).transpose(1, 2)
     torch.testing.assert_close(attend(q, k, v, mask, stack), want)
+    stacked = stacks(Q, H // Hkv, q.device) if stack is None else stack
     bias = grid_bias(mask, H // Hkv, q.dtype, stack)
-    assert bias.shape[2] == (Q * H // Hkv if (stacks(Q, H // Hkv, q.device) if stack is None else stack) else Q)
+    assert bias.shape[2] == (Q * H // Hkv if stacked else Q)  # laid out as attend reads it
     torch.testing.assert_close(attend(q, k, v, bias, stack), want)
 
 
