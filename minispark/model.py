@@ -93,7 +93,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # In fp32, as HF normalises, and one fused op: eager decode runs 61 norms a step, and
-        # eight small ops each took about 0.3 ms more of a step on this project's CPU.
+        # as eight small ops they took about 0.3 ms more a step on this project's CPU.
         return F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps).type_as(x)
 
 
