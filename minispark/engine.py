@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import price, verify
 from .drafters import NgramDrafter, SparkDrafter
-from .model import Batch, Transformer, resolve_dtype
+from .model import KV_BLOCK, Batch, Transformer, cache_dtype, resolve_dtype
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table, progress
 
@@ -247,8 +247,9 @@ class Engine:
         self.active[s] = False
         upto = min(upto, self.L)
         for att in self.caches():
-            att.k_cache[d, :upto] = att.k_cache[s, :upto]
-            att.v_cache[d, :upto] = att.v_cache[s, :upto]
+            for cache in (att.k_cache, att.v_cache):
+                written = cache.narrow(att.cache_seq_dim, 0, upto)  # positions below `upto`
+                written[d] = written[s]
 
     def set_worth(self, worth: dict[int, float], R: int) -> None:
         """What a token of each of rows [0, R) is worth to the run (absent rows: 0), copied
@@ -260,23 +261,26 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: bool, filtered: bool = True) -> StepOut:
-        """Run the prompts of newly admitted requests through the target in one packed forward
-        and sample each one's first token, which becomes its anchor `next_tok`."""
+        """Run the prompts of newly admitted requests through the target and sample each one's
+        first token, which becomes its anchor `next_tok`."""
         dev, R = self.device, len(slots)
         lengths = [len(p) for p in prompts]
-        Qp = max(lengths)
         slot_t = torch.tensor(slots, device=dev)
-        b = Batch(
-            tokens=torch.tensor([t for p in prompts for t in p], device=dev),
-            slot=torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], device=dev),
-            pos=torch.tensor([i for n in lengths for i in range(n)], device=dev),
-            cell=torch.tensor([r * Qp + i for r, n in enumerate(lengths) for i in range(n)], device=dev),
-            row_slot=slot_t, n_cols=Qp, ctx_len=min(self.L, round_up(Qp, 64)),
-        )
-        last = torch.tensor(list(itertools.accumulate(lengths)), device=dev) - 1
-        logits, hidden = self.model(b, logits_at=last, hidden_layers=self.feature_layers())  # [R, V]
-        if self.spark:
-            self.spark.write_context(hidden, b.slot, b.pos)
+        logits = []
+        for s, p in zip(slots, prompts):
+            # Each prompt in a forward of its own: its keys, values and first token are then the
+            # same bits whichever prompts it comes with, so it may take SDPA's flash kernel,
+            # faster than `attend_exact` on a long prompt (see `model.attend_exact`).
+            n = len(p)
+            b = Batch(tokens=torch.tensor(p, device=dev), slot=torch.full((n,), s, device=dev),
+                      pos=torch.arange(n, device=dev), cell=torch.arange(n, device=dev), row_slot=slice(s, s + 1),
+                      n_cols=n, ctx_len=min(self.L, round_up(n, KV_BLOCK)))
+            last = torch.tensor([n - 1], device=dev)
+            lg, hidden = self.model(b, logits_at=last, hidden_layers=self.feature_layers(), exact=False)  # [1, V]
+            if self.spark:
+                self.spark.write_context(hidden, b.slot, b.pos)
+            logits.append(lg)
+        logits = torch.cat(logits)  # [R, V]
         lens = torch.tensor(lengths, device=dev)
         first = self.sample(logits, slot_t, lens, sampling, filtered)
         self.lens[slot_t], self.next_tok[slot_t] = lens, first
@@ -291,7 +295,7 @@ class Engine:
         zero = torch.zeros_like(lens)
         # Until Spark has drafted, the host plans with a guess for it: every chain token even odds.
         guess = torch.full((R, self.K), 0.5, device=dev).cumprod(-1)
-        ngram_a = self.draft_ngrams(slot_t, min(self.L, round_up(Qp + 1, 64))) if self.ngram else 0 * guess
+        ngram_a = self.draft_ngrams(slot_t, min(self.L, round_up(max(lengths) + 1, 64))) if self.ngram else 0 * guess
         return StepOut(out, n, zero, torch.full_like(lens, SOURCES.index("target")), finish, guess,
                        ngram_a, guess if self.spark else 0 * guess, zero, torch.zeros(R, 2, device=dev))
 
@@ -390,8 +394,10 @@ class Engine:
 
     def pack(self, R: int, draft: Tensor, length: Tensor, ctx: int, budget: int) -> Batch:
         """Slot r verifies [next_tok, d_1 .. d_l] at positions lens_r ..; all rows are packed
-        into one batch of T = R + budget tokens, padding going to the scratch slot and cell."""
-        Q, T = draft.shape[1] + 1, R + budget
+        into one batch of T = R + budget tokens (at least 2), padding going to the scratch slot and cell."""
+        # At least two tokens: oneDNN multiplies a single row by another kernel, whose sums
+        # round differently (see `model.attend_exact`).
+        Q, T = draft.shape[1] + 1, max(R + budget, 2)
         dev = self.device
         col = torch.arange(Q, device=dev)[None, :]
         grid_tok = torch.cat([self.next_tok[:R, None], draft], dim=1)  # [R, Q]
@@ -950,7 +956,7 @@ class LLM:
             budget = budget if width else 0  # nothing admitted: the step verifies no drafts
         # This step writes positions up to what the host knows, plus `unseen`, plus the chain. A
         # prefix no longer than needed matters: every row's attention reads all of it.
-        ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + unseen + width + 1, 256))
+        ctx = min(eng.L, round_up(max(self._slots[i].known_len for i in rows) + unseen + width + 1, KV_BLOCK))
         return Plan(budget, width, ctx, spark_pass)
 
     def _worth(self, rows: list[int], queued: bool) -> list[float]:
@@ -1152,9 +1158,12 @@ def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark
     """Refuse KV caches (the target's and the drafter's context) that cannot fit, before
     allocating them, saying what to turn down."""
     a = model.args
-    itemsize = model.tok_embeddings.weight.element_size()
-    layers = a.n_layers + (spark.args.n_layers if spark else 0)
-    need = 2 * layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
+    dtype = model.tok_embeddings.weight.dtype
+    itemsize = cache_dtype(dtype, device).itemsize  # the target's cache
+    need = 2 * a.n_layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
+    if spark:
+        d = spark.args
+        need += 2 * d.n_layers * (S + 1) * L * d.n_kv_heads * d.head_dim * dtype.itemsize
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     if free is not None and need > 0.9 * free:
         gib = 2**30

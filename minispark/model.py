@@ -50,13 +50,15 @@ class Batch:
     slot: Tensor  # [T] cache row written
     pos: Tensor  # [T] position written and attended up to
     cell: Tensor  # [T] flat index into the query grid [R * Q + 1]
-    row_slot: Tensor | slice  # [R] cache row each grid row attends to; slice(0, R) for rows 0..R-1
+    row_slot: Tensor | slice  # [R] cache row each grid row attends to, or a slice of rows (a view)
     n_cols: int  # Q
     ctx_len: int  # attend to cache positions [0, ctx_len): a bucket, not max_seq_len
 
     @property
     def n_rows(self) -> int:
-        return self.row_slot.stop if isinstance(self.row_slot, slice) else self.row_slot.shape[0]
+        if isinstance(self.row_slot, slice):
+            return self.row_slot.stop - (self.row_slot.start or 0)
+        return self.row_slot.shape[0]
 
 
 def rope_frequencies(args: ModelArgs) -> Tensor:
@@ -104,24 +106,29 @@ class Attention(nn.Module):
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = Linear(args.dim, qkv_dim, bias=args.qkv_bias)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.k_cache: Tensor | None = None  # [S + 1, L, Hkv, D]; row S is scratch
+        self.k_cache: Tensor | None = None  # [S + 1, Hkv, L, D]; row S is scratch
+        self.cache_seq_dim = 2
         self.v_cache: Tensor | None = None
 
-    def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor, exact: bool) -> Tensor:
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = apply_rope(q.view(T, H, D), cos, sin)
         k = apply_rope(k.view(T, Hkv, D), cos, sin)
-        self.k_cache.index_put_((b.slot, b.pos), k.to(self.k_cache.dtype))
-        self.v_cache.index_put_((b.slot, b.pos), v.view(T, Hkv, D).to(self.v_cache.dtype))
+        self.k_cache[b.slot, :, b.pos] = k.to(self.k_cache.dtype)
+        self.v_cache[b.slot, :, b.pos] = v.view(T, Hkv, D).to(self.v_cache.dtype)
 
         R, Q = b.n_rows, b.n_cols
-        grid = q.new_zeros(R * Q + 1, H, D).index_copy(0, b.cell, q)[:-1]  # [R*Q, H, D]
+        grid = q.new_zeros(R * Q + 1, H, D).index_copy(0, b.cell, q)[:-1].view(R, Q, H, D)
         # A slice of rows is a view: decode attends to the cache in place, without a copy.
-        keys = self.k_cache[b.row_slot, : b.ctx_len].transpose(1, 2).to(q.dtype)  # [R, Hkv, C, D]
-        vals = self.v_cache[b.row_slot, : b.ctx_len].transpose(1, 2).to(q.dtype)
-        out = attend(grid.view(R, Q, H, D), keys, vals, mask).reshape(R * Q, H * D)
+        keys = self.k_cache[b.row_slot, :, : b.ctx_len]  # [R, Hkv, C, D]
+        vals = self.v_cache[b.row_slot, :, : b.ctx_len]
+        if exact:
+            out = attend_exact(grid, keys, vals, mask)
+        else:
+            out = attend(grid, keys.to(q.dtype), vals.to(q.dtype), mask)
+        out = out.reshape(R * Q, H * D)
         return self.wo(out[b.cell.clamp(max=R * Q - 1)])  # [T, dim]; padding reads any cell
 
 
@@ -203,6 +210,73 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, stack: bool | None = N
     return out.view(R, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(R, Q, H, D)
 
 
+KV_BLOCK = 256  # attend_exact sums values over blocks of this many keys: prefixes come in its multiples
+MIN_ROWS = 4  # the fewest query rows attend_exact multiplies at once
+SCORES_MAX = 1 << 24  # score elements attend_exact holds at once (64 MB): a long prefill goes in pieces
+
+
+def exact_attention(device: torch.device) -> bool:
+    """Whether the target attends with `attend_exact` (with an fp32 KV cache): on a CPU."""
+    return device.type == "cpu"
+
+
+def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    return torch.float32 if exact_attention(device) else dtype
+
+
+def exact_bias(mask: Tensor, G: int) -> Tensor:
+    """The `grid_bias` `attend_exact` reads: fp32, stacked, rows (g, q), and at least MIN_ROWS
+    rows (padding rows see every key)."""
+    bias = grid_bias(mask, G, torch.float32, stack=True)  # [R, 1, G * Q, C]
+    return F.pad(bias, (0, 0, 0, max(0, MIN_ROWS - bias.shape[2])))
+
+
+def attend_exact(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """Attention of a query grid q [R, Q, H, D] over fp32 keys and values [R, Hkv, C, D] under
+    `exact_bias` [R, 1, max(G * Q, MIN_ROWS), C]; returns [R, Q, H, D] in q's dtype.
+
+    Each query's result is the same bits whatever else the call holds: how many columns its
+    row verifies, which rows share the step, how long the attended prefix is (a multiple of
+    KV_BLOCK, or the whole cache). With steps of two tokens or more (`Engine.pack`), a
+    token's logits are then the same in every step that computes them, so speculative
+    decoding writes exactly the tokens plain decoding writes in bf16 too, where a difference
+    in the last bit of one sum can turn a close argmax (with SDPA's flash kernel, 4 of 16
+    chat answers came out the same in `spark` as in `off` at batch 1). Found by measurement on
+    this project's CPU, each rule keeping a row's sums in one order:
+    - scores, softmax and the weighted sum in fp32, from bf16 values held exactly in fp32;
+    - at least MIN_ROWS query rows per product: MKL multiplies 1 to 3 rows by another kernel;
+    - values summed block by block of KV_BLOCK keys, in order: keys past a query's reach then
+      add exact zeros, where one product over all C keys sums in an order that depends on C.
+    A prompt's own forward can take SDPA (`Engine.prefill`): nothing else computes its tokens."""
+    R, Q, H, D = q.shape
+    Hkv, C, M = k.shape[1], k.shape[2], bias.shape[2]
+    G = H // Hkv
+    rows = q.new_zeros(R, Hkv, M, D, dtype=torch.float32)
+    rows[:, :, : G * Q] = q.view(R, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).flatten(2, 3)  # rows (g, q)
+    rows *= D**-0.5
+    step = max(MIN_ROWS, SCORES_MAX // (R * Hkv * C))
+    if step >= M:
+        out = attend_rows(rows, k, v, bias)
+    else:  # a long grid in pieces, none under MIN_ROWS rows
+        cuts = list(range(0, M, step))
+        if M - cuts[-1] < MIN_ROWS:
+            cuts.pop()  # the last piece takes the few rows left
+        cuts.append(M)
+        out = torch.cat([attend_rows(rows[:, :, i:j], k, v, bias[:, :, i:j]) for i, j in zip(cuts, cuts[1:])], dim=2)
+    out = out[:, :, : G * Q].view(R, Hkv, G, Q, D).permute(0, 3, 1, 2, 4)
+    return out.reshape(R, Q, H, D).to(q.dtype)
+
+
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """`attend_exact` of scaled query rows q [R, Hkv, n, D] under bias [R, 1, n, C]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).add_(bias)  # [R, Hkv, n, C]
+    p = torch.softmax(scores, dim=-1)
+    out = torch.matmul(p[..., :KV_BLOCK], v[:, :, :KV_BLOCK])
+    for c in range(KV_BLOCK, k.shape[2], KV_BLOCK):
+        out += torch.matmul(p[..., c:c + KV_BLOCK], v[:, :, c:c + KV_BLOCK])
+    return out
+
+
 class Linear(nn.Linear):
     """nn.Linear that, once `pack`ed, multiplies by a copy of its weight in oneDNN's blocked
     layout: a bf16 CPU inference path.
@@ -282,8 +356,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), b, cos, sin, mask)
+    def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor, exact: bool) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), b, cos, sin, mask, exact)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -302,29 +376,36 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate the static KV cache: one scratch row beyond `max_batch_size` for padding."""
-        dtype = dtype or self.tok_embeddings.weight.dtype
+        """Allocate the static KV cache [S + 1, Hkv, L, D], one scratch row beyond
+        `max_batch_size` for padding: fp32 where attention is exact (`exact_attention`), else
+        the model's dtype."""
         device = self.tok_embeddings.weight.device
-        shape = (max_batch_size + 1, max_seq_len, self.args.n_kv_heads, self.args.head_dim)
+        dtype = dtype or cache_dtype(self.tok_embeddings.weight.dtype, device)
+        shape = (max_batch_size + 1, self.args.n_kv_heads, max_seq_len, self.args.head_dim)
         for layer in self.layers:
             layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(
-        self, b: Batch, logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = ()
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, b: Batch, logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                exact: bool | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits `[N, V]` of the packed tokens `logits_at` (all `T` when None) and, when asked,
-        the outputs of `hidden_layers` (0-based) for every token, `[T, len(hidden_layers), dim]`."""
+        the outputs of `hidden_layers` (0-based) for every token, `[T, len(hidden_layers), dim]`.
+        `exact`: attend with `attend_exact` (None: where `exact_attention` says), else SDPA."""
         if any(not 0 <= i < len(self.layers) for i in hidden_layers):
             raise ValueError(f"hidden_layers={hidden_layers} out of range for {len(self.layers)} layers")
         x = self.tok_embeddings(b.tokens)  # [T, dim]
         freqs = b.pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
-        mask = grid_bias(self.attention_mask(b), self.args.n_heads // self.args.n_kv_heads, x.dtype)
+        exact = exact_attention(x.device) if exact is None else exact
+        G = self.args.n_heads // self.args.n_kv_heads
+        if exact:
+            mask = exact_bias(self.attention_mask(b), G)
+        else:
+            mask = grid_bias(self.attention_mask(b), G, x.dtype)
         hidden = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, b, cos, sin, mask)
+            x = layer(x, b, cos, sin, mask, exact)
             if i in hidden_layers:
                 hidden[i] = x
         if logits_at is not None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_hf_config
-from minispark.model import Batch, Linear, Transformer, attend, can_pack, grid_bias, stacks
+import minispark.model as model
+from minispark.model import (KV_BLOCK, Batch, Linear, Transformer, attend, attend_exact, can_pack,
+                             exact_bias, grid_bias, stacks)
 from minispark.weights import args_from_hf_config, build_model
 
 ATOL = 1e-4
@@ -335,6 +338,37 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
     bias = grid_bias(mask, H // Hkv, q.dtype, stack)
     assert bias.shape[2] == (Q * H // Hkv if stacked else Q)  # laid out as attend reads it
     torch.testing.assert_close(attend(q, k, v, bias, stack), want)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
+def test_exact_attention_gives_a_query_the_same_bits_in_any_company(heads, monkeypatch):
+    """attend_exact: each query of a grid gets the same bits as when it is attended alone (one
+    column of one row, over the shortest prefix holding its keys), whatever else shares the
+    call: other columns, other rows, a longer prefix, a prefill cut into pieces; and it is
+    attention (SDPA, fp32, within rounding)."""
+    torch.manual_seed(0)
+    (H, Hkv), R, Q, D, L = heads, 3, 9, 16, 3 * KV_BLOCK
+    G = H // Hkv
+    q = torch.randn(R, Q, H, D)
+    k, v = torch.randn(R, Hkv, L, D), torch.randn(R, Hkv, L, D)
+    first = torch.tensor([5, KV_BLOCK - 4, 2 * KV_BLOCK + 3])  # row r's first column's position
+
+    def grid(rows: list[int], cols: list[int], C: int) -> Tensor:
+        qpos = first[rows, None] + torch.tensor(cols)  # [r, c]
+        mask = (torch.arange(C) <= qpos[..., None])[:, None]  # [r, 1, c, C]
+        return attend_exact(q[rows][:, cols], k[rows, :, :C], v[rows, :, :C], exact_bias(mask, G)), mask
+
+    full, mask = grid([0, 1, 2], list(range(Q)), L)
+    for r in range(R):
+        for j in range(Q):
+            shortest = -(-(int(first[r]) + j + 1) // KV_BLOCK) * KV_BLOCK
+            alone, _ = grid([r], [j], shortest)
+            assert torch.equal(alone[0, 0], full[r, j]), (r, j)
+    monkeypatch.setattr(model, "SCORES_MAX", 1)  # pieces of MIN_ROWS query rows
+    assert torch.equal(grid([0, 1, 2], list(range(Q)), L)[0], full)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                                            enable_gqa=G > 1).transpose(1, 2)
+    torch.testing.assert_close(full, want)
 
 
 @pytest.mark.parametrize("variant", ["gqa_tied", "qkv_bias_qwen2"])
