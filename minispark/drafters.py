@@ -95,8 +95,8 @@ class DraftAttention(nn.Module):
         self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.k_cache: Tensor | None = None  # [S + 1, L, Hkv, D] keys of the context; row S is scratch
-        self.cache_seq_dim = 1
         self.v_cache: Tensor | None = None
+        self.cache_seq_dim = 1  # the caches' position axis
 
     def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values [..., Hkv, D] of fused target features ctx [..., dim]."""
