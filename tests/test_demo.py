@@ -47,7 +47,7 @@ def test_speculation_equals_off_on_the_demo_model(demo, spec):
 @pytest.mark.skipif(not CPU_HAS_BF16, reason="bf16 is emulated, and slow, on CPUs without native bf16")
 def test_speculation_equals_off_in_bf16_too():
     """On a CPU a token's logits are the same bits in every step that computes them, however
-    many tokens it verifies with (`attend_exact`, `Linear`), so every mode writes off's tokens
+    many tokens it verifies with (`model.attend_exact`, `Engine.pack`), so every mode writes off's tokens
     in bf16 as well. Before, a last-bit difference turned close calls: 4 of 16 chat answers of
     96 tokens came out the same in spark as in off at batch 1."""
     off = LLM(spec="off", dtype="bfloat16", max_batch_size=3, max_seq_len=1024)

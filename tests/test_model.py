@@ -19,6 +19,7 @@ from conftest import tiny_hf_config
 import minispark.model as model
 from minispark.model import (KV_BLOCK, Batch, Linear, Transformer, attend, attend_exact, can_pack,
                              exact_bias, grid_bias, stacks)
+from minispark.engine import round_up
 from minispark.weights import args_from_hf_config, build_model
 
 ATOL = 1e-4
@@ -353,7 +354,7 @@ def test_exact_attention_gives_a_query_the_same_bits_in_any_company(heads, monke
     k, v = torch.randn(R, Hkv, L, D), torch.randn(R, Hkv, L, D)
     first = torch.tensor([5, KV_BLOCK - 4, 2 * KV_BLOCK + 3])  # row r's first column's position
 
-    def grid(rows: list[int], cols: list[int], C: int) -> Tensor:
+    def grid(rows: list[int], cols: list[int], C: int) -> tuple[Tensor, Tensor]:
         qpos = first[rows, None] + torch.tensor(cols)  # [r, c]
         mask = (torch.arange(C) <= qpos[..., None])[:, None]  # [r, 1, c, C]
         return attend_exact(q[rows][:, cols], k[rows, :, :C], v[rows, :, :C], exact_bias(mask, G)), mask
@@ -361,8 +362,7 @@ def test_exact_attention_gives_a_query_the_same_bits_in_any_company(heads, monke
     full, mask = grid([0, 1, 2], list(range(Q)), L)
     for r in range(R):
         for j in range(Q):
-            shortest = -(-(int(first[r]) + j + 1) // KV_BLOCK) * KV_BLOCK
-            alone, _ = grid([r], [j], shortest)
+            alone, _ = grid([r], [j], round_up(int(first[r]) + j + 1, KV_BLOCK))  # the shortest prefix
             assert torch.equal(alone[0, 0], full[r, j]), (r, j)
     monkeypatch.setattr(model, "SCORES_MAX", 1)  # pieces of MIN_ROWS query rows
     assert torch.equal(grid([0, 1, 2], list(range(Q)), L)[0], full)
