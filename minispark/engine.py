@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import price, verify
 from .drafters import NgramDrafter, SparkDrafter
-from .model import KV_BLOCK, Batch, Transformer, cache_dtype, resolve_dtype
+from .model import KV_BLOCK, Batch, Transformer, resolve_dtype
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table, progress
 
@@ -1158,12 +1158,10 @@ def check_memory(model: Transformer, S: int, L: int, device: torch.device, spark
     """Refuse KV caches (the target's and the drafter's context) that cannot fit, before
     allocating them, saying what to turn down."""
     a = model.args
-    dtype = model.tok_embeddings.weight.dtype
-    itemsize = cache_dtype(dtype, device).itemsize  # the target's cache
-    need = 2 * a.n_layers * (S + 1) * L * a.n_kv_heads * a.head_dim * itemsize
+    per_position = a.n_layers * a.n_kv_heads * a.head_dim  # keys (and as many values) of one position
     if spark:
-        d = spark.args
-        need += 2 * d.n_layers * (S + 1) * L * d.n_kv_heads * d.head_dim * dtype.itemsize
+        per_position += spark.args.n_layers * spark.args.n_kv_heads * spark.args.head_dim
+    need = 2 * (S + 1) * L * per_position * model.tok_embeddings.weight.dtype.itemsize
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     if free is not None and need > 0.9 * free:
         gib = 2**30

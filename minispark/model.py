@@ -108,6 +108,7 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.k_cache: Tensor | None = None  # [S + 1, Hkv, L, D]; row S is scratch
         self.v_cache: Tensor | None = None
+        self.wide: Tensor | None = None  # [S + 1, Hkv, KV_BLOCK, D] fp32 scratch of `attend_exact`, shared by the layers
         self.cache_seq_dim = 2  # the caches' position axis
 
     def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor, exact: bool) -> Tensor:
@@ -125,7 +126,7 @@ class Attention(nn.Module):
         keys = self.k_cache[b.row_slot, :, : b.ctx_len]  # [R, Hkv, C, D]
         vals = self.v_cache[b.row_slot, :, : b.ctx_len]
         if exact:
-            out = attend_exact(grid, keys, vals, mask)
+            out = attend_exact(grid, keys, vals, mask, self.wide)
         else:
             out = attend(grid, keys.to(q.dtype), vals.to(q.dtype), mask)
         out = out.reshape(R * Q, H * D)
@@ -216,12 +217,8 @@ SCORES_MAX = 1 << 24  # score elements attend_exact holds at once (64 MB): a lon
 
 
 def exact_attention(device: torch.device) -> bool:
-    """Whether the target attends with `attend_exact` (with an fp32 KV cache): on a CPU."""
+    """Whether the target attends with `attend_exact`: on a CPU."""
     return device.type == "cpu"
-
-
-def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    return torch.float32 if exact_attention(device) else dtype
 
 
 def exact_bias(mask: Tensor, G: int) -> Tensor:
@@ -231,9 +228,10 @@ def exact_bias(mask: Tensor, G: int) -> Tensor:
     return F.pad(bias, (0, 0, 0, max(0, MIN_ROWS - bias.shape[2])))
 
 
-def attend_exact(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-    """Attention of a query grid q [R, Q, H, D] over fp32 keys and values [R, Hkv, C, D] under
-    `exact_bias` [R, 1, max(G * Q, MIN_ROWS), C]; returns [R, Q, H, D] in q's dtype.
+def attend_exact(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, wide: Tensor | None = None) -> Tensor:
+    """Attention of a query grid q [R, Q, H, D] over keys and values [R, Hkv, C, D] (the cache,
+    in the model's dtype) under `exact_bias` [R, 1, max(G * Q, MIN_ROWS), C]; returns
+    [R, Q, H, D] in q's dtype. `wide`: fp32 scratch of at least [R, Hkv, KV_BLOCK, D] (`widen`).
 
     Each query's result is the same bits whatever else the call holds: how many columns its
     row verifies, which rows share the step, how long the attended prefix is (a multiple of
@@ -244,7 +242,8 @@ def attend_exact(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     too, where a difference in the last bit of one sum can turn a close argmax (with SDPA's
     flash kernel, 4 of 16 chat answers came out the same in `spark` as in `off` at batch 1).
     Found by measurement on this project's CPU, each rule keeping a row's sums in one order:
-    - scores, softmax and the weighted sum in fp32, from bf16 values held exactly in fp32;
+    - scores, softmax and the weighted sum in fp32, from bf16 values held exactly in fp32
+      (widened block by block as they are read, `widen`);
     - at least MIN_ROWS query rows per product: MKL multiplies 1 to 3 rows by another kernel;
     - values summed block by block of KV_BLOCK keys, in order: keys past a query's reach then
       add exact zeros, where one product over all C keys sums in an order that depends on C.
@@ -260,25 +259,42 @@ def attend_exact(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     rows *= D**-0.5
     step = max(MIN_ROWS, SCORES_MAX // (R * Hkv * C))
     if step >= M:
-        out = attend_rows(rows, k, v, bias)
+        out = attend_rows(rows, k, v, bias, wide)
     else:  # a long grid in pieces, none under MIN_ROWS rows
         cuts = list(range(0, M, step))
         if M - cuts[-1] < MIN_ROWS:
             cuts.pop()  # the last piece takes the few rows left
         cuts.append(M)
-        out = torch.cat([attend_rows(rows[:, :, i:j], k, v, bias[:, :, i:j]) for i, j in zip(cuts, cuts[1:])], dim=2)
+        out = torch.cat([attend_rows(rows[:, :, i:j], k, v, bias[:, :, i:j], wide) for i, j in zip(cuts, cuts[1:])],
+                        dim=2)
     out = out[:, :, : G * Q].view(R, Hkv, G, Q, D).permute(0, 3, 1, 2, 4)
     return out.reshape(R, Q, H, D).to(q.dtype)
 
 
-def attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-    """`attend_exact` of scaled query rows q [R, Hkv, n, D] under bias [R, 1, n, C]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).add_(bias)  # [R, Hkv, n, C]
-    p = torch.softmax(scores, dim=-1)
-    out = torch.matmul(p[..., :KV_BLOCK], v[:, :, :KV_BLOCK])
-    for c in range(KV_BLOCK, k.shape[2], KV_BLOCK):
-        out += torch.matmul(p[..., c:c + KV_BLOCK], v[:, :, c:c + KV_BLOCK])
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, wide: Tensor | None) -> Tensor:
+    """`attend_exact` of scaled query rows q [R, Hkv, n, D] under bias [R, 1, n, C], block by
+    block of KV_BLOCK keys: every score and every partial sum is then a product of one shape,
+    whatever C is."""
+    blocks = range(0, k.shape[2], KV_BLOCK)
+    scores = torch.cat([q @ widen(k[:, :, c:c + KV_BLOCK], wide).transpose(-1, -2) for c in blocks], dim=-1)
+    p = torch.softmax(scores.add_(bias), dim=-1)  # [R, Hkv, n, C]
+    out = p[..., :KV_BLOCK] @ widen(v[:, :, :KV_BLOCK], wide)
+    for c in blocks[1:]:
+        out += p[..., c:c + KV_BLOCK] @ widen(v[:, :, c:c + KV_BLOCK], wide)
     return out
+
+
+def widen(x: Tensor, wide: Tensor | None) -> Tensor:
+    """A block of keys or values x [R, Hkv, n <= KV_BLOCK, D] in fp32, copied into the scratch
+    `wide` unless x is fp32 already. A bf16 cache streams half the bytes of an fp32 one, and a
+    step reads every row's keys and values in every layer; a scratch kept warm, because a fresh
+    block of several MB comes from new pages each time (page faults: at 16 rows over 512
+    positions `.float()` blocks made a step 2x slower than an fp32 cache)."""
+    if x.dtype == torch.float32:
+        return x
+    if wide is None:
+        return x.float()
+    return wide[: x.shape[0], :, : x.shape[2]].copy_(x)
 
 
 class Linear(nn.Linear):
@@ -381,14 +397,17 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
         """Allocate the static KV cache [S + 1, Hkv, L, D], one scratch row beyond
-        `max_batch_size` for padding: fp32 where attention is exact (`exact_attention`), else
-        the model's dtype."""
+        `max_batch_size` for padding, in the model's dtype (`attend_exact` widens it to fp32 as it reads)."""
         device = self.tok_embeddings.weight.device
-        dtype = dtype or cache_dtype(self.tok_embeddings.weight.dtype, device)
+        dtype = dtype or self.tok_embeddings.weight.dtype
         shape = (max_batch_size + 1, self.args.n_kv_heads, max_seq_len, self.args.head_dim)
+        wide = None
+        if exact_attention(device) and dtype != torch.float32:
+            wide = torch.zeros(shape[:2] + (KV_BLOCK, shape[3]), device=device)
         for layer in self.layers:
             layer.attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.attention.wide = wide
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, b: Batch, logits_at: Tensor | None = None, hidden_layers: tuple[int, ...] = (),

@@ -345,8 +345,9 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
 def test_exact_attention_gives_a_query_the_same_bits_in_any_company(heads, monkeypatch):
     """attend_exact: each query of a grid gets the same bits as when it is attended alone (one
     column of one row, over the shortest prefix holding its keys), whatever else shares the
-    call: other columns, other rows, a longer prefix, a prefill cut into pieces; and it is
-    attention (SDPA, fp32, within rounding)."""
+    call: other columns, other rows, a longer prefix, a prefill cut into pieces; it is
+    attention (SDPA, fp32, within rounding); and a bf16 cache, widened block by block through a
+    scratch holding stale values, gives the bits of its fp32 copy."""
     torch.manual_seed(0)
     (H, Hkv), R, Q, D, L = heads, 3, 9, 16, 3 * KV_BLOCK
     G = H // Hkv
@@ -369,6 +370,12 @@ def test_exact_attention_gives_a_query_the_same_bits_in_any_company(heads, monke
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=G > 1).transpose(1, 2)
     torch.testing.assert_close(full, want)
+    k16, v16, bias = k.bfloat16(), v.bfloat16(), exact_bias(mask, G)
+    wide = torch.full((R, Hkv, KV_BLOCK, D), float("nan"))
+    want = attend_exact(q, k16.float(), v16.float(), bias)
+    assert torch.equal(attend_exact(q, k16, v16, bias, wide), want)
+    assert torch.equal(attend_exact(q, k16[:, :, : L - 7], v16[:, :, : L - 7], bias[..., : L - 7], wide),
+                       attend_exact(q, k16[:, :, : L - 7].float(), v16[:, :, : L - 7].float(), bias[..., : L - 7]))
 
 
 @pytest.mark.parametrize("variant", ["gqa_tied", "qkv_bias_qwen2"])
