@@ -108,7 +108,7 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.k_cache: Tensor | None = None  # [S + 1, Hkv, L, D]; row S is scratch
         self.v_cache: Tensor | None = None
-        self.wide: Tensor | None = None  # [S + 1, Hkv, KV_BLOCK, D] fp32 scratch of `attend_exact`, shared by the layers
+        self.wide: Tensor | None = None  # [S + 1, Hkv, KV_BLOCK, D] fp32 scratch of `attend_exact`, shared
         self.cache_seq_dim = 2  # the caches' position axis
 
     def forward(self, x: Tensor, b: Batch, cos: Tensor, sin: Tensor, mask: Tensor, exact: bool) -> Tensor:
@@ -249,8 +249,9 @@ def attend_exact(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, wide: Tensor | N
       add exact zeros, where one product over all C keys sums in an order that depends on C.
     A prompt's own forward can take SDPA (`Engine.prefill`): nothing else computes its tokens.
     Decode steps against SDPA's, demo model, bf16, this CPU, two runs alternating old and new
-    code: 1 row 1.10x and 1.13x the time, 16 rows 0.97x and 1.00x, 16 rows verifying 32
-    drafts 1.08x and 1.25x; prefill of 16 code prompts 1.16x."""
+    code, with the fp32 cache of the first version (`widen` has since cut the 16-row steps by
+    up to a sixth): 1 row 1.10x and 1.13x the time, 16 rows 0.97x and 1.00x, 16 rows verifying
+    32 drafts 1.08x and 1.25x; prefill of 16 code prompts 1.16x."""
     R, Q, H, D = q.shape
     Hkv, C, M = k.shape[1], k.shape[2], bias.shape[2]
     G = H // Hkv
