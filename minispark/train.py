@@ -55,6 +55,8 @@ class Recipe:
     max_tokens: int = 320  # per answer
     max_prompts: int | None = None
     questions: int = 2000  # requests the target writes itself, answered beside the templates'
+    first_round: int = 0  # of request writing: a later run starts past the rounds a drafter saw
+    templates: bool = True  # answer the templated prompts too (False: only self-written requests)
     question_tokens: int = 160  # per completion of the request list
     text_tokens: int = 250_000  # of reading text to featurise
     draft_vocab: int = 8192
@@ -255,10 +257,10 @@ def self_written_questions(out: Path, llm, r: Recipe, deadline: float) -> list[s
     questions = [row["question"] for row in rows]
     seen = set(questions) | set(QUESTION_EXAMPLES)
     topics = [t for t in (DATA / "topics.txt").read_text().splitlines() if t.strip()]
-    k = 1 + max((row["round"] for row in rows), default=-1)
+    first = k = max(r.first_round, 1 + max((row["round"] for row in rows), default=-1))
     with Progress() as bar, path.open("a") as f:
         task = bar.add_task("self-written requests", total=r.questions, completed=len(questions))
-        while len(questions) < r.questions and (k == 0 or time.time() < deadline):
+        while len(questions) < r.questions and (k == first or time.time() < deadline):
             rng = random.Random(k)
             prompts = [question_prompt(rng.choice(topics), rng) for _ in range(4 * r.batch)]
             params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=r.question_tokens,
@@ -293,11 +295,15 @@ def stage_data(out: Path, r: Recipe, minutes: float) -> None:
     # bucket the stage passes through, which costs more than the stage itself.
     llm = LLM(r.model, spec="off", max_batch_size=r.batch, max_seq_len=1024, device=r.device, compile=False)
     start = time.time()
-    questions = self_written_questions(out, llm, r, start + 15 * minutes)  # a quarter of the time at most
+    # Writing a request takes about as long as answering one, so a run of requests alone writes
+    # for nearly half its time; beside the templates, a quarter at most.
+    share = 0.25 if r.templates else 0.45
+    questions = self_written_questions(out, llm, r, start + share * 60 * minutes)
     deadline = start + 60 * minutes
     answers = out / "answers.jsonl"
     done = {json.loads(line)["prompt"] for line in answers.open()} if answers.exists() else set()
-    todo = [p for p in training_prompts()[: r.max_prompts] + questions if p not in done]
+    templated = training_prompts()[: r.max_prompts] if r.templates else []
+    todo = [p for p in templated + questions if p not in done]
     random.Random(len(done)).shuffle(todo)  # a run stopped early still has a varied share of everything
     params = SamplingParams(temperature=0, max_tokens=r.max_tokens)
     with Progress() as bar, answers.open("a") as f:
@@ -928,6 +934,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kinds", default=",".join(KINDS), help="documents for the features stage")
     ap.add_argument("--minutes", type=float, default=20.0, help="time for the data stage and for the fit stage")
+    ap.add_argument("--first-round", type=int, default=0,
+                    help="data: write requests from this round on (a drafter trained on a run's requests "
+                    "gets new ones from a later round)")
+    ap.add_argument("--only-self-written", action="store_true",
+                    help="data: answer only the requests the target writes, not the templated prompts "
+                    "(new text for a drafter that trained on them)")
     ap.add_argument("--init", type=Path, default=None,
                     help="fit: start from this drafter folder (e.g. the shipped one) when --out has no checkpoint; "
                     "calibrate: recalibrate this drafter on the answers in --out")
@@ -941,7 +953,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("--dest is required with --model: the default folder holds the demo model's drafter")
         args.dest = Path("checkpoints/smollm2-135m-instruct")
     torch.manual_seed(0)
-    r = Recipe(model=args.model, device=args.device)
+    r = Recipe(model=args.model, device=args.device, first_round=args.first_round,
+               templates=not args.only_self_written)
     run(args.stage, args.out, args.dest, r, args.minutes, kinds, args.init)
 
 

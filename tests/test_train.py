@@ -47,6 +47,19 @@ def test_the_data_stage_answers_requests_the_target_wrote_itself(toy_drafter):
     assert len(prompts) == len(questions) + 8  # and the 8 templated prompts
 
 
+def test_a_later_run_answers_only_requests_from_its_own_rounds(tmp_path):
+    """New text for a drafter that has seen the templated prompts and a run's requests:
+    writing starts at `first_round`, and only the requests are answered."""
+    import json
+
+    r = train.Recipe(batch=4, max_tokens=12, questions=4, question_tokens=24, first_round=5, templates=False)
+    train.stage_data(tmp_path, r, minutes=0.01)
+    rows = [json.loads(line) for line in (tmp_path / "questions.jsonl").open()]
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "answers.jsonl").open()]
+    assert rows and {row["round"] for row in rows} == {5}  # one round (the time is up), the first asked for
+    assert sorted(prompts) == sorted(row["question"] for row in rows)
+
+
 def test_a_damaged_or_foreign_drafter_is_refused_with_the_file_named(toy_drafter, tmp_path):
     import json
 
