@@ -20,7 +20,7 @@ from rich.text import Text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minispark import LLM, SamplingParams  # noqa: E402
-from minispark.engine import SOURCES, SPEC_MODES  # noqa: E402
+from minispark import SPEC_MODES  # noqa: E402
 
 HELP = "/reset clears the conversation, /spec MODE switches speculation, /stats shows totals, /help, Ctrl-D quits"
 console = Console(highlight=False)
@@ -65,18 +65,18 @@ class Chat:
         s = self.llm.stats()
         console.print(f"{s['requests']} answers, {s['tokens']} tokens in {s['steps']} steps "
                       f"({s['tokens_per_step']:.2f} tokens per step); "
-                      + ", ".join(f"{k} {s[k]}" for k in SOURCES))
+                      + ", ".join(f"{k} {s[k]}" for k in self.llm.sources))
 
 
 def status_line(out, seconds: float) -> str:
     n = max(len(out.token_ids), 1)
-    shares = " ".join(f"{k} {out.accepted[k] / n:.0%}" for k in SOURCES)
+    shares = " ".join(f"{k} {out.accepted[k] / n:.0%}" for k in out.accepted)
     return (f"[{len(out.token_ids)} tokens, {len(out.token_ids) / seconds:.1f} tok/s, "
             f"{len(out.token_ids) / max(out.num_steps, 1):.2f} tokens/step, {shares}]")
 
 
 def repl(chat: Chat) -> None:
-    console.print(f"[bold]minispark chat[/] (spec={chat.llm.engine.spec}). {HELP}")
+    console.print(f"[bold]minispark chat[/] (spec={chat.llm.spec}). {HELP}")
     while True:
         try:
             line = console.input("[bold cyan]> [/]").strip()

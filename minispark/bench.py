@@ -21,8 +21,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .engine import LLM, SPEC_MODES, SamplingParams
-from .model import Transformer, resolve_dtype
+from .api import LLM, SPEC_MODES, SamplingParams
+from .planner import Pieces
+from .cpu import resolve_dtype
+from .model import Transformer
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, build_model, default_model, load_gguf, load_hf_folder
 from .workloads import workload
@@ -69,8 +71,16 @@ def load_weights(path: str | None):
 
 def spec_of(mode: str) -> str:
     """The spec mode behind a bench mode: "spark-fixed" is spark verifying its whole block on
-    every step (no adaptive budget); a mode that is its own spec is adaptive."""
-    return mode.removesuffix("-fixed")
+    every step (no adaptive budget); "hybrid-no-trust" is hybrid with one planner piece off."""
+    return mode.split("@")[0].split("-")[0]
+
+
+def pieces_of(mode: str) -> Pieces:
+    """The planner pieces of a bench mode: all of them, less the one a "-no-PIECE" names."""
+    off = mode.partition("-no-")[2]
+    if off and off not in Pieces.names():
+        raise ValueError(f"unknown planner piece {off!r} in mode {mode!r}; pieces: {', '.join(Pieces.names())}")
+    return Pieces(**{off: False}) if off else Pieces()
 
 
 def twin(net: Transformer) -> Transformer:
@@ -85,10 +95,37 @@ def minispark_llm(net, tok: Tokenizer, mode: str, warm_up: list[int], batch: int
                   max_seq_len: int, drafter: Path | None, compile: bool = False) -> LLM:
     """An LLM for one mode, profiled and warmed up. Give each mode of a row its own `twin` of
     the model: their steps interleave, and each LLM allocates the KV cache of its model."""
-    spec = spec_of(mode)
-    llm = LLM.from_model(net, tok, spec=spec, max_batch_size=batch, max_seq_len=max_seq_len,
-                         drafter=drafter, compile=compile, adaptive=spec == mode)
+    llm = LLM.from_model(net, tok, spec=spec_of(mode), max_batch_size=batch, max_seq_len=max_seq_len,
+                         drafter=drafter, compile=compile, adaptive=not mode.endswith("-fixed"), pieces=pieces_of(mode))
     llm.generate([warm_up], SamplingParams(temperature=temperature, max_tokens=4))
+    return llm
+
+
+def checkout(path: str):
+    """The `minispark` package of another checkout at `path`, imported under a name of its own
+    (its modules import each other relatively), so that both versions run in one process."""
+    import importlib.util
+    import sys
+
+    init = Path(path) / "minispark" / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"--against {path}: no minispark/__init__.py there (give the root of a checkout)")
+    spec = importlib.util.spec_from_file_location("minispark_against", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["minispark_against"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def against_llm(pkg, args, hf_sd, dtype, device, tok: Tokenizer, mode: str, warm_up: list[int], batch: int,
+                temperature: float, max_seq_len: int, drafter: Path | None):
+    """`minispark_llm` on another checkout's package (its own model class and engine)."""
+    import importlib
+
+    net = importlib.import_module("minispark_against.weights").build_model(args, hf_sd, dtype, device)
+    llm = pkg.LLM.from_model(net, tok, spec=spec_of(mode), max_batch_size=batch, max_seq_len=max_seq_len,
+                             drafter=drafter, adaptive=not mode.endswith("-fixed"))
+    llm.generate([warm_up], pkg.SamplingParams(temperature=temperature, max_tokens=4))
     return llm
 
 
@@ -307,6 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default="off,ngram,spark,hybrid", help=f"comma-separated spec modes: "
                     f"{', '.join(SPEC_MODES)}; MODE-fixed verifies whole chains on every step (spark-fixed: a "
                     f"fixed block of g), the baseline of adaptive verification")
+    ap.add_argument("--ablate", action="store_true", help="the planner's ablation: hybrid with all its "
+                    "pieces, and with each piece off in turn (hybrid-no-PIECE), against the fixed baseline")
+    ap.add_argument("--against", default=None, help="another checkout's root: each mode also runs on its "
+                    "engine (as MODE@against), step by step beside this one's")
     ap.add_argument("--peers", default="hf", help="comma-separated peers: hf, hf-pld (or none)")
     ap.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
@@ -334,9 +375,16 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"wrote {a.plot or 'trace.png'}")
         return
     modes = [m for m in a.modes.split(",") if m]
+    if a.ablate:
+        modes = ["hybrid"] + [f"hybrid-no-{p}" for p in Pieces.names()]
+        a.baseline = a.baseline or "hybrid"
     for m in modes:
         if spec_of(m) not in SPEC_MODES:
-            ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}, or one of them with -fixed")
+            ap.error(f"unknown mode {m!r}; choose from {', '.join(SPEC_MODES)}, with -fixed or -no-PIECE")
+        try:
+            pieces_of(m)
+        except ValueError as e:
+            ap.error(str(e))
     peers = [p for p in a.peers.split(",") if p and p != "none"]
     if peers and a.temperature > 0:
         ap.error("the peers decode greedily: with --temperature above 0 add --peers none")
@@ -354,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     net = build_model(args, hf_sd, dtype, device)
     tok = Tokenizer.from_path(path)
     peer_model = hf_model(args, hf_sd, dtype) if peers else None
-    del hf_sd
+    other = checkout(a.against) if a.against else None
     results = []
     nets = {m: twin(net) for m in modes}
     for w in workloads:
@@ -363,15 +411,18 @@ def main(argv: list[str] | None = None) -> None:
         for b in batches:
             llms = {m: minispark_llm(nets[m], tok, m, prompts[0], b, a.temperature, max_seq_len, drafter, a.compile)
                     for m in modes}
+            if other:
+                llms.update({f"{m}@against": against_llm(other, args, hf_sd, dtype, device, tok, m, prompts[0], b,
+                                                          a.temperature, max_seq_len, drafter) for m in modes})
             systems = {m: (lambda part, m=m: run_minispark(llms[m], m, part, b, max_tokens[w], a.temperature))
-                       for m in modes}
+                       for m in llms}
             systems.update({p: (lambda part, p=p: run_hf(peer_model, part, b, max_tokens[w], tok.stop_ids,
                                                           p == "hf-pld")) for p in peers})
             for r in run_row(systems, prompts, b, a.rounds):
                 r.workload = w
                 results.append(r)
                 won = f"  chains {r.chains}" if r.system == "hybrid" else ""
-                per_step = f"  {r.per_step:.2f} tok/step" if r.system in modes else ""
+                per_step = f"  {r.per_step:.2f} tok/step" if r.steps else ""
                 console.print(f"{w:5s} batch {b:3d} {r.system:8s} {r.tok_s:7.1f} tok/s{per_step}{won}")
             del llms, systems
     md = render(results, a.baseline or ("spark" if "spark" in modes else modes[0]), greedy=a.temperature == 0)

@@ -1,10 +1,13 @@
-"""Drafters: the model-free n-gram matcher and the model-based Spark drafter.
+"""Drafters: what they share (`Drafter`), the model-free n-gram matcher and the Spark drafter.
 
-Both run on every slot at once with static shapes and no host sync.
+A drafter proposes a chain of tokens for every row at once, with static shapes and no host
+sync, and scores each token's chance of acceptance. The engine runs every drafter it was given
+on every step (the planner may skip a costly one) and verifies, per row, the chain worth most.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -12,24 +15,128 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import FeedForward, Linear, ModelArgs, RMSNorm, apply_rope, attend, grid_bias, rope_frequencies
-from .verify import greedy, sample
+from .price import leading_agreement
+from .verify import greedy, sample, uniform_block
 
 
-@dataclass
-class NgramDrafter:
+class Rows(NamedTuple):
+    """What a drafter may read of the rows it drafts for."""
+    tokens: Tensor  # [R, C] each row's known tokens in its first n: prompt, output, then the anchor
+    n: Tensor  # [R] known tokens (0 for an idle row)
+    slot: Tensor  # [R] the engine's slot of each row (per-slot state is indexed by it)
+    seed: Tensor  # [R] sampling seeds (for drafters that sample)
+    temperature: Tensor | None  # [R] when the step samples, else None
+
+
+class Chain(NamedTuple):
+    """A drafter's proposal for rows [0, R)."""
+    tokens: Tensor  # [R, k]
+    conf: Tensor  # [R, k] P(slot j accepted | slots before it were); 0 where nothing is proposed
+    q: Tensor | None = None  # [R, k, Vq] distributions the tokens were sampled from (None: point masses)
+    vocab: Tensor | None = None  # [Vq] the target id of each column of q
+
+
+class Drafter(nn.Module):
+    """The plug-in: subclass, set `name` and `k` (the longest chain), implement `propose`.
+
+    A drafter that reads only the history needs nothing else. The hooks serve drafters with
+    state or a model; each does nothing by default."""
+
+    name: str = "drafter"
+    k: int = 0
+    costly: bool = False  # its pass takes time the planner weighs, and may skip
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states `see` receives
+
+    def propose(self, tokens: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens [R, C] long, row r's known tokens being tokens[r, :n[r]], the last of them the
+        token the chain continues. Returns draft [R, k] long and conf [R, k] in [0, 1]."""
+        raise NotImplementedError
+
+    def setup(self, S: int, L: int, target: nn.Module) -> None:
+        """Allocate per-slot state for S slots of up to L tokens."""
+
+    def reset(self, slot: int) -> None:
+        """A new request takes `slot`."""
+
+    def move(self, src: Tensor, dst: Tensor, upto: int) -> None:
+        """Requests move from slots `src` to `dst` (positions below `upto` hold their history)."""
+
+    def see(self, hidden: Tensor, slot: Tensor, pos: Tensor) -> None:
+        """The target's hidden states [T, len(feature_layers), dim] of tokens it has just run
+        at (slot, pos); rejected positions are seen too, then overwritten."""
+
+    def draft(self, rows: Rows) -> Chain:
+        """This step's chain (from `propose` unless overridden)."""
+        return Chain(*self.propose(rows.tokens, rows.n))
+
+    def commit(self, rows: Rows, chain: Chain | None, out: Tensor | None, n_out: Tensor | None) -> Tensor | None:
+        """After a step (chain, and the emitted tokens out [R, Q] of which n_out are valid) or a
+        prefill (None): rows hold the new histories. Returns the conf [R, k] of the chain the
+        next step will verify, if the drafter already knows it (so the planner sees it), else None."""
+        return None
+
+
+# ----------------------------------------------------------------------------- n-gram
+
+# The calibration table's first index: how the slot's previous n-gram proposal fared against the
+# tokens the step then emitted. A copy that agreed with everything is likely right again (code
+# edits); one wrong from its first token is likely wrong again (free text).
+NO_PROPOSAL, WRONG, PARTIAL, RIGHT = 0, 1, 2, 3
+
+
+def default_ngram_table(n_max: int, k: int) -> Tensor:
+    """[4, n_max + 1, k] guesses for models without a fitted table: the first copied token is
+    uncertain, later ones (after an accepted one) mostly right, more so after a right copy."""
+    first = torch.tensor([0.3, 0.15, 0.5, 0.7])[:, None, None]
+    rest = torch.tensor([0.75, 0.6, 0.8, 0.9])[:, None, None]
+    col = torch.arange(k)[None, None, :]
+    return torch.where(col == 0, first, rest).expand(4, n_max + 1, k).clone()
+
+
+def fit_table_width(table: Tensor, k: int) -> Tensor:
+    """The table cut or extended (repeating its last position) to chains of k tokens."""
+    if table.shape[-1] >= k:
+        return table[..., :k].contiguous()
+    return torch.cat([table, table[..., -1:].expand(*table.shape[:-1], k - table.shape[-1])], -1)
+
+
+def ngram_outcome(proposal: Tensor, valid: Tensor, out: Tensor, n_out: Tensor, last: Tensor) -> Tensor:
+    """The new state [R] of each row: NO_PROPOSAL; WRONG when the proposal's first token is not
+    the first token emitted; RIGHT when it agrees with every emitted token it covers; PARTIAL
+    between. Rows that emitted nothing keep `last`."""
+    _, agree = leading_agreement(proposal, valid, out, n_out)
+    state = torch.where(agree == 0, WRONG, torch.where(agree >= torch.minimum(n_out, valid), RIGHT, PARTIAL))
+    state = torch.where(valid > 0, state, NO_PROPOSAL)
+    return torch.where(n_out > 0, state, last)
+
+
+class NgramDrafter(Drafter):
     """Longest-suffix lookup in each slot's own history (prompt + output so far).
 
     For n from n_max down to n_min, the last n tokens are compared with every earlier window;
-    the longest match wins, the earliest occurrence among equals; up to K tokens that
-    followed it are proposed (fewer where the history ends).
-    """
-    n_min: int = 1
-    n_max: int = 8
-    k: int = 32
+    the longest match wins, the earliest occurrence among equals; up to k tokens that followed
+    it are proposed (fewer where the history ends). A calibration table turns how the slot's
+    last proposal fared, the match length and the position into each token's conf. The next
+    step's proposal is drafted as soon as the history is known (`commit`), so the planner
+    plans with the estimates of the very chain the step verifies."""
 
-    def __call__(self, tokens: Tensor, hist_len: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 8, k: int = 32, table: Tensor | None = None):
+        super().__init__()
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"ngram_k must be an int >= 1, got {k!r}")
+        self.n_min, self.n_max, self.k = n_min, n_max, k
+        table = default_ngram_table(n_max, k) if table is None else table
+        if table.ndim != 3 or table.shape[1] <= n_max:
+            raise ValueError(f"the n-gram table is shaped {tuple(table.shape)}, but the matcher needs "
+                             f"[4, m, j] with a row for every match length m up to {n_max}; "
+                             f"fit one with `python -m minispark.train ngram`")
+        self.register_buffer("table", fit_table_width(table.float(), k))  # [4, m, k]
+
+    def forward(self, tokens: Tensor, hist_len: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """tokens [R, C] (history in [0, hist_len), the rest ignored); hist_len [R].
-        Returns draft [R, K], valid [R] (drafted tokens that exist) and match length m [R] (0 = none)."""
+        Returns draft [R, k], valid [R] (drafted tokens that exist) and match length m [R] (0 = none)."""
         R, C = tokens.shape
         dev = tokens.device
         pos = torch.arange(C, device=dev)[None, :]
@@ -45,15 +152,46 @@ class NgramDrafter:
         # (its continuation may run into the suffix itself: overlapping repeats copy fine).
         match = torch.where((pos < hist_len[:, None] - 1) & (match >= self.n_min), match, 0)
         # The longest match, then the earliest occurrence: in code edits it is the prompt's copy
-        # of the text, and in a run like "x x x x" it has the longest continuation (measured:
-        # more accepted tokens per step than the most recent occurrence on the code-edit set).
+        # of the text, and in a run like "x x x x" it has the longest continuation.
         end = (match * C + (C - 1 - pos)).argmax(-1)  # [R]
         best_n = match.gather(1, end[:, None]).squeeze(1)
         best_start = end + 1  # where the continuation starts
-        at = best_start[:, None] + torch.arange(self.k, device=dev)  # [R, K]
+        at = best_start[:, None] + torch.arange(self.k, device=dev)  # [R, k]
         draft = tokens.gather(1, at.clamp(max=C - 1))
         valid = torch.where(best_n > 0, (hist_len - best_start).clamp(0, self.k), 0)
         return draft, valid, best_n
+
+    def conf(self, state: Tensor, m: Tensor, valid: Tensor) -> Tensor:
+        """[R, k] per-token estimates from the table, 0 past each valid length."""
+        col = torch.arange(self.k, device=m.device)[None, :]
+        return torch.where(col < valid[:, None], self.table[state, m], 0.0)
+
+    def propose(self, tokens: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+        draft, valid, m = self(tokens, n)
+        return draft, self.conf(torch.zeros_like(m), m, valid)
+
+    def setup(self, S: int, L: int, target: nn.Module) -> None:
+        zeros = lambda: torch.zeros(S, dtype=torch.long, device=self.table.device)  # noqa: E731
+        self.last, self.valid, self.m = zeros(), zeros(), zeros()  # `last`: the table's first index
+        self.tok = torch.zeros(S, self.k, dtype=torch.long, device=self.table.device)
+
+    def reset(self, slot: int) -> None:
+        self.last[slot] = NO_PROPOSAL
+
+    def move(self, src: Tensor, dst: Tensor, upto: int) -> None:
+        for t in (self.last, self.valid, self.m, self.tok):
+            t[dst] = t[src]
+
+    def draft(self, rows: Rows) -> Chain:
+        s = rows.slot
+        return Chain(self.tok[s], self.conf(self.last[s], self.m[s], self.valid[s]))
+
+    def commit(self, rows: Rows, chain: Chain | None, out: Tensor | None, n_out: Tensor | None) -> Tensor:
+        s = rows.slot
+        if chain is not None:
+            self.last[s] = ngram_outcome(chain.tokens, self.valid[s], out, n_out, self.last[s])
+        self.tok[s], self.valid[s], self.m[s] = self(rows.tokens, rows.n)
+        return self.conf(self.last[s], self.m[s], self.valid[s])
 
 
 # ----------------------------------------------------------------------------- Spark
@@ -96,7 +234,6 @@ class DraftAttention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.k_cache: Tensor | None = None  # [S + 1, L, Hkv, D] keys of the context; row S is scratch
         self.v_cache: Tensor | None = None
-        self.cache_seq_dim = 1  # the caches' position axis
 
     def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values [..., Hkv, D] of fused target features ctx [..., dim]."""
@@ -147,7 +284,7 @@ def calibrated(conf_logit: Tensor, temp: Tensor | float, bias: Tensor | float) -
     return torch.sigmoid(conf_logit / temp + bias)
 
 
-class SparkDrafter(nn.Module):
+class SparkDrafter(Drafter):
     """One parallel pass drafts a block of g tokens and scores each one's chance of acceptance.
 
     Context: hidden states of a few target layers at committed positions, concatenated,
@@ -159,9 +296,13 @@ class SparkDrafter(nn.Module):
     confidence `c_k = P(slot k accepted | slots before it were)`.
     """
 
+    name = "spark"
+    costly = True
+
     def __init__(self, args: SparkArgs):
         super().__init__()
         self.args = args
+        self.feature_layers = tuple(args.target_layers)
         margs = args.as_model_args()
         n_feat = len(args.target_layers)
         self.fuse = Linear(n_feat * args.dim, args.dim, bias=False)
@@ -184,6 +325,41 @@ class SparkDrafter(nn.Module):
         self.register_buffer("embed", torch.empty(0), persistent=False)  # [V, dim] target embedding
         self.register_buffer("head", torch.empty(0), persistent=False)  # [Vd, dim] target LM head rows
         self.register_buffer("t2d", torch.empty(0, dtype=torch.long), persistent=False)  # [V] -> [0, Vd]
+
+    @property
+    def k(self) -> int:
+        return self.args.block
+
+    def setup(self, S: int, L: int, target: nn.Module) -> None:
+        self.attach(target)
+        self.setup_cache(S, L, target.tok_embeddings.weight.dtype)
+
+    def reset(self, slot: int) -> None:
+        # A NaN key left by a broken request would poison the next one: attention weighs a
+        # masked position by 0, and 0 x NaN is NaN.
+        for layer in self.layers:
+            layer.attention.k_cache[slot].zero_()
+            layer.attention.v_cache[slot].zero_()
+
+    def move(self, src: Tensor, dst: Tensor, upto: int) -> None:
+        for layer in self.layers:
+            for cache in (layer.attention.k_cache, layer.attention.v_cache):
+                written = cache[:, :upto]  # [S + 1, upto, Hkv, D], a view
+                written[dst] = written[src]
+
+    def see(self, hidden: Tensor, slot: Tensor, pos: Tensor) -> None:
+        self.write_context(hidden, slot, pos)
+
+    def draft(self, rows: Rows) -> Chain:
+        """The block after each row's anchor; sampled from q when the step samples, with conf
+        taken along the greedy path, which depends on the context alone (see `price`)."""
+        lens = (rows.n - 1).clamp(min=0)
+        anchor = rows.tokens.gather(1, lens[:, None])[:, 0]
+        u = None
+        if rows.temperature is not None:
+            u = uniform_block(rows.seed, lens, self.args.block, self.args.draft_vocab)
+        _, conf, q, sampled = self.draft_block(anchor, lens, rows.tokens.shape[1], rows.temperature, u)
+        return Chain(sampled, conf, q, self.d2t)
 
     def attach(self, target: nn.Module) -> "SparkDrafter":
         """Borrow the target's embedding and the LM head rows of the draft vocabulary."""
@@ -250,7 +426,7 @@ class SparkDrafter(nn.Module):
         """Confidence logits [...] of states h [..., dim] with the previous token's Markov row w1 [..., r]."""
         return self.conf(torch.cat([h, w1.to(h.dtype)], dim=-1)).float()[..., 0]
 
-    def draft(self, anchor: Tensor, lens: Tensor, ctx: int, temperature: Tensor | None = None,
+    def draft_block(self, anchor: Tensor, lens: Tensor, ctx: int, temperature: Tensor | None = None,
               u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
         """Draft a block for rows [0, R): anchor and lens [R], attending to the cached context
         before `lens` within the first `ctx` positions.

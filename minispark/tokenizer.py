@@ -24,11 +24,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 QWEN2_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-# SmolLM2's (and StarCoder's) tokenizer.json splits off every digit (Digits) before the GPT-2 regex
-# runs on the text in between, so a whitespace run before a digit stays whole: "\n\n1." is
-# "\n\n", "1", ".". This one regex does both; llama.cpp's "smollm" splits the same way.
-# (transformers ignores the "smollm" label and uses GPT2_PAT, which differs on such runs and on
-# a space before a non-ASCII numeral like "½"; pass pre="gpt2" to from_gguf to match it.)
+# SmolLM2's (and StarCoder's) tokenizer.json splits off every digit before the GPT-2 regex runs
+# on the text between, so a whitespace run before a digit stays whole ("\n\n1." is "\n\n", "1",
+# "."), as llama.cpp's "smollm" splits. transformers reads a GGUF labelled "smollm" with GPT2_PAT,
+# which differs on such runs: from_gguf(pre="gpt2") matches it.
 SMOLLM_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 PATTERNS = {
     "gpt2": GPT2_PAT, "mpt": GPT2_PAT, "olmo": GPT2_PAT,
@@ -55,18 +54,17 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_tur
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from bytes to printable characters, in which byte-level vocabularies are spelled."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:  # unprintable bytes get the characters after 255, in order
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    unprintable = [b for b in range(256) if b not in bs]  # spelled by the characters after 255, in order
+    cs = bs + [256 + n for n in range(len(unprintable))]
+    return dict(zip(bs + unprintable, map(chr, cs)))
 
 
-def _token_bytes(token: str, u2b: dict[str, int]) -> bytes:
-    if all(c in u2b for c in token):
-        return bytes(u2b[c] for c in token)
+_U2B = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _token_bytes(token: str) -> bytes:
+    if all(c in _U2B for c in token):
+        return bytes(_U2B[c] for c in token)
     return token.encode("utf-8")  # a raw-text entry (as transformers also reads it)
 
 
@@ -193,7 +191,6 @@ class Tokenizer:
         if pre not in PATTERNS:
             raise ValueError(f"unknown pre-tokeniser {pre!r}; supported: {sorted(PATTERNS)}")
         names, types = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type", [])
-        u2b = {c: b for b, c in bytes_to_unicode().items()}
         tokens, specials, always = {}, {}, set()
         for i, name in enumerate(names):
             t = types[i] if i < len(types) else 1
@@ -202,7 +199,7 @@ class Tokenizer:
                 if t == 4:
                     always.add(name)
             else:
-                tokens.setdefault(_token_bytes(name, u2b), i)
+                tokens.setdefault(_token_bytes(name), i)
 
         def text_of(key):
             return names[get(key)] if key in r.fields else None
@@ -214,8 +211,7 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
         folder = Path(folder)
-        cfg = _read_json(folder / "tokenizer_config.json")
-        gen = _read_json(folder / "generation_config.json")
+        cfg, gen = _read_json(folder / "tokenizer_config.json"), _read_json(folder / "generation_config.json")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = {t["name"]: t["template"] for t in template}.get("default")
@@ -235,11 +231,10 @@ class Tokenizer:
                 raise ValueError(f"tokenizer.json normalizer {norm.get('type')!r} is not supported (only none or NFC)")
             nfc = norm is not None
             added |= {t["id"]: t for t in tj.get("added_tokens", [])}
-            u2b = {c: b for b, c in bytes_to_unicode().items()}
             tokens = {}
             for name, i in sorted(m["vocab"].items(), key=lambda kv: kv[1]):
                 if i not in added:
-                    tokens.setdefault(_token_bytes(name, u2b), i)
+                    tokens.setdefault(_token_bytes(name), i)
         elif (folder / "tokenizer.model").exists():
             try:  # lines of "base64(token bytes) rank"
                 lines = (folder / "tokenizer.model").read_bytes().splitlines()
@@ -257,7 +252,7 @@ class Tokenizer:
         specials = {t["content"]: i for i, t in added.items()}
         always = {t["content"] for t in added.values() if not t.get("special", True)}
         stop = gen.get("eos_token_id", [])
-        stop = tuple(stop) if isinstance(stop, list) else (stop,)
+        stop = tuple(stop) if isinstance(stop, list) else (stop,)  # one id or a list
         return cls(tokens, specials, pattern, always=always, bos=_content(cfg.get("bos_token")),
                    eos=_content(cfg.get("eos_token")), chat_template=template, stop=stop, nfc=nfc)
 

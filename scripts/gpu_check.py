@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # minispark from this checkout, installed or not
 if TYPE_CHECKING:
-    from minispark.engine import LLM  # imported in the parts, so that a failing import fails only them
+    from minispark.api import LLM  # imported in the parts, so that a failing import fails only them
 
 # The most of the run each correctness part may take; the benchmark tables share what is left.
 SHARE = {"pytest": 0.3, "sync": 0.25, "parity": 0.15}
@@ -161,8 +161,8 @@ def demo_spec() -> str:
 
 
 def demo_llm(c: Check, spec: str, compile: bool, dtype: str) -> LLM:
-    from minispark.engine import LLM
-    from minispark.price import CostModel
+    from minispark.api import LLM
+    from minispark.planner import CostModel
 
     # A fixed cost table: the parts pick the step's sizes themselves, so profiling (one graph
     # per budget when compiled) would only cost time.
@@ -179,7 +179,7 @@ def code_prompts(llm: LLM, n: int) -> list[list[int]]:
 
 def load(llm: LLM, prompts: list[list[int]], sampling: bool) -> None:
     """Prefill `prompts` into slots 0.. (as the LLM admits requests)."""
-    from minispark.engine import SamplingParams
+    from minispark.api import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(temperature=0.8 if sampling else 0.0, top_k=20, top_p=0.9, max_tokens=1000)
@@ -191,7 +191,7 @@ def load(llm: LLM, prompts: list[list[int]], sampling: bool) -> None:
 def step_sizes(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[int, int, int, int]:
     """(R, budget, width, ctx): one bucket whose attended prefix holds every prompt and what
     `steps` steps can add to it."""
-    from minispark.engine import round_up
+    from minispark.planner import round_up
 
     eng = llm.engine
     ctx = min(eng.L, round_up(max(map(len, prompts)) + steps * (WIDTH + 1) + eng.K + 2, 256))

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from minispark import LLM, SamplingParams
-from minispark.engine import SOURCES, RequestOutput
+from minispark.api import RequestOutput
 from minispark.tokenizer import Tokenizer
 from minispark.weights import DEMO_DRAFTER
 from minispark.workloads import chat_prompts, code_edit_prompts
@@ -193,7 +193,7 @@ def main() -> int:
     print(f"reference  {len(exact)} requests alone, {ref_tokens} tokens in {ref_s:.0f} s "
           f"({ref_tokens / ref_s:.1f} tok/s)")
     print(f"soak       {s['tokens']} tokens in {soak_s:.0f} s: {s['tokens'] / soak_s:.1f} tok/s, "
-          f"{s['tokens_per_step']:.2f} tokens per step, accepted {', '.join(f'{k} {s[k]}' for k in SOURCES)}")
+          f"{s['tokens_per_step']:.2f} tokens per step, accepted {', '.join(f'{k} {s[k]}' for k in llm.sources)}")
     print(f"mismatches {len(bad)} of {a.n}")
     for i, why in bad[:8]:
         r = reqs[i] if 0 <= i < a.n else None

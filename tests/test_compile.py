@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from conftest import bigram_drafter, tiny_pair
-from minispark.engine import Engine, SamplingParams
+from conftest import spec_drafters, tiny_pair
+from minispark.api import SamplingParams
+from minispark.engine import Engine
 
 
 def run_steps(eng: Engine, prompts: list[list[int]], sampling: bool, steps: int = 3) -> list[tuple]:
@@ -28,9 +29,9 @@ def run_steps(eng: Engine, prompts: list[list[int]], sampling: bool, steps: int 
 def test_compiled_step_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     _, net = tiny_pair(3, initializer_range=0.1, vocab_size=48)
-    eager = Engine(net, spec, 4, 160, spark=bigram_drafter(net))
+    eager = Engine(net, spec_drafters(spec, net), 4, 160)
     _, net2 = tiny_pair(3, initializer_range=0.1, vocab_size=48)
-    compiled = Engine(net2, spec, 4, 160, spark=bigram_drafter(net2), compile=True)
+    compiled = Engine(net2, spec_drafters(spec, net2), 4, 160, compile=True)
     assert_compiled_matches_eager(eager, compiled, spec, trials=3)
 
 

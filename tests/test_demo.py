@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minispark import LLM, SamplingParams
-from minispark.model import CPU_HAS_BF16
-from minispark.price import CostModel
+from minispark.cpu import CPU_HAS_BF16
+from minispark.planner import CostModel
 from minispark.weights import DEMO_DRAFTER
 from minispark.workloads import chat_prompts, code_edit_prompts
 
@@ -47,7 +47,7 @@ def test_speculation_equals_off_on_the_demo_model(demo, spec):
 @pytest.mark.skipif(not CPU_HAS_BF16, reason="bf16 is emulated, and slow, on CPUs without native bf16")
 def test_speculation_equals_off_in_bf16_too():
     """On a CPU a token's logits are the same bits in every step that computes them, however
-    many tokens it verifies with (`model.attend_exact`, `Engine.pack`), so every mode writes off's tokens
+    many tokens it verifies with (`cpu.attend_exact`, `Engine.pack`), so every mode writes off's tokens
     in bf16 as well. Before, a last-bit difference turned close calls: 4 of 16 chat answers of
     96 tokens came out the same in spark as in off at batch 1."""
     off = LLM(spec="off", dtype="bfloat16", max_batch_size=3, max_seq_len=1024)
@@ -87,10 +87,10 @@ def test_bf16_runs_and_samples(demo):
 
 def test_without_the_shipped_drafter_the_default_mode_is_ngram(monkeypatch, tmp_path):
     # A wheel install has no checkpoints/ beside the package: LLM() still runs, copying only.
-    from minispark import engine
+    from minispark import api
 
-    monkeypatch.setattr(engine, "DEMO_DRAFTER", tmp_path / "absent")
+    monkeypatch.setattr(api, "DEMO_DRAFTER", tmp_path / "absent")
     llm = LLM(max_batch_size=1, max_seq_len=256, dtype="float32", cost=CostModel([1, 65], [1.0, 1.3]))
-    assert llm.engine.spec == "ngram" and llm.engine.spark is None
+    assert llm.spec == "ngram" and [d.name for d in llm.engine.drafters] == ["ngram"]
     with pytest.raises(ValueError, match="needs a Spark drafter"):
         LLM(spec="spark", max_batch_size=1, max_seq_len=256, dtype="float32")

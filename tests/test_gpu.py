@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FLAT_COST, ByteTokenizer, bigram_drafter, tiny_pair
-from minispark.engine import LLM, SPEC_MODES, Engine, SamplingParams
+from conftest import FLAT_COST, ByteTokenizer, bigram_drafter, spec_drafters, tiny_pair
+from minispark.api import LLM, SPEC_MODES, SamplingParams
+from minispark.engine import Engine
 from minispark.model import Transformer
 from minispark.weights import args_from_hf_config, build_model
 from test_compile import assert_compiled_matches_eager
@@ -29,8 +30,8 @@ def test_compiled_step_matches_eager_on_cuda(spec):
     cpu, eager_net = cuda_pair(3, initializer_range=0.1, vocab_size=48)
     _, compiled_net = cuda_pair(3, initializer_range=0.1, vocab_size=48)
     # One drafter per engine, made from the CPU copy (the engine moves it to the device).
-    eager = Engine(eager_net, spec, 4, 160, spark=bigram_drafter(cpu))
-    compiled = Engine(compiled_net, spec, 4, 160, spark=bigram_drafter(cpu), compile=True)
+    eager = Engine(eager_net, spec_drafters(spec, cpu), 4, 160)
+    compiled = Engine(compiled_net, spec_drafters(spec, cpu), 4, 160, compile=True)
     assert_compiled_matches_eager(eager, compiled, spec, trials=2)
 
 
@@ -56,7 +57,7 @@ def test_greedy_output_on_cuda_matches_cpu(spec, compile):
 
 
 def test_the_step_clock_reads_the_device_time_of_a_cuda_step():
-    from minispark.engine import StepClock
+    from minispark.api import StepClock
 
     x = torch.randn(4096, 4096, device="cuda")
     x @ x  # warm-up

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_hf_config
-import minispark.model as model
-from minispark.model import (KV_BLOCK, Batch, Linear, Transformer, attend, attend_exact, can_pack,
-                             exact_bias, grid_bias, stacks)
-from minispark.engine import round_up
+from minispark import cpu
+from minispark.cpu import PackedLinear, attend_exact, can_pack, exact_bias
+from minispark.model import KV_BLOCK, Batch, Linear, Transformer, attend, grid_bias, stack_heads
+from minispark.planner import round_up
 from minispark.weights import args_from_hf_config, build_model
 
 ATOL = 1e-4
@@ -335,7 +335,7 @@ def test_attention_over_a_grid_equals_grouped_query_attention(Q, heads, stack):
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=H != Hkv).transpose(1, 2)
     torch.testing.assert_close(attend(q, k, v, mask, stack), want)
-    stacked = stacks(Q, H // Hkv, q.device) if stack is None else stack
+    stacked = stack_heads(Q, H // Hkv, q.device) if stack is None else stack
     bias = grid_bias(mask, H // Hkv, q.dtype, stack)
     assert bias.shape[2] == (Q * H // Hkv if stacked else Q)  # laid out as attend reads it
     torch.testing.assert_close(attend(q, k, v, bias, stack), want)
@@ -365,7 +365,7 @@ def test_exact_attention_gives_a_query_the_same_bits_in_any_company(heads, monke
         for j in range(Q):
             alone, _ = grid([r], [j], round_up(int(first[r]) + j + 1, KV_BLOCK))  # the shortest prefix
             assert torch.equal(alone[0, 0], full[r, j]), (r, j)
-    monkeypatch.setattr(model, "SCORES_MAX", 1)  # pieces of MIN_ROWS query rows
+    monkeypatch.setattr(cpu, "SCORES_MAX", 1)  # pieces of MIN_ROWS query rows
     assert torch.equal(grid([0, 1, 2], list(range(Q)), L)[0], full)
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                             enable_gqa=G > 1).transpose(1, 2)
@@ -388,17 +388,19 @@ def test_packed_bf16_weights_give_the_plain_product_and_follow_changes(variant):
     ms.setup_cache(N_SLOTS, MAX_SEQ)
     linears = [m for m in ms.modules() if isinstance(m, Linear)]
     assert len(linears) == 5 * len(ms.layers) + 1
-    assert all((m.packed is not None) == can_pack(m.weight) for m in linears)
+    assert all(isinstance(m, PackedLinear) == can_pack(m.weight) for m in linears)
+    packed = [m for m in linears if isinstance(m, PackedLinear)]
+    assert all(m.packed is not None for m in packed)
     b, (idx,) = make_batch([(0, 0, rand_tokens(20, seed=3))], pad=2, ctx_len=32)
 
     def plain():  # the same forward with every copy set aside
-        saved = [m.packed for m in linears]
-        for m in linears:
+        saved = [m.packed for m in packed]
+        for m in packed:
             m.packed = None
         try:
             return run(ms, b)[0]
         finally:
-            for m, p in zip(linears, saved):
+            for m, p in zip(packed, saved):
                 m.packed = p
 
     want = plain()
@@ -413,4 +415,4 @@ def test_packed_bf16_weights_give_the_plain_product_and_follow_changes(variant):
     assert ms.layers[0].feed_forward.w1(x).requires_grad  # training takes the plain, differentiable path
     ms.float()  # a dtype oneDNN's bf16 path cannot take: the copies go, the plain product runs
     ms.setup_cache(N_SLOTS, MAX_SEQ)
-    assert torch.equal(run(ms, b)[0], plain()) and all(m.packed is None for m in linears)
+    assert torch.equal(run(ms, b)[0], plain()) and all(m.packed is None for m in packed)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import FLAT_COST, ByteTokenizer, tiny_llm, tiny_pair
-from minispark.engine import LLM, SOURCES, SamplingParams
+from minispark.api import LLM, SamplingParams
+from minispark.drafters import NgramDrafter
 
 V, EOS, L = 64, 2, 96
 MODEL = dict(initializer_range=0.2, vocab_size=V)
@@ -175,7 +176,7 @@ def test_soak_matches_alone(soak, spec, slots):
     assert s["requests"] == len(outs)
     assert s["tokens"] == sum(len(o.token_ids) for o in outs)
     assert s["steps"] == sum(o.num_steps for o in outs)
-    for k in SOURCES:
+    for k in llm.sources:
         assert s[k] == sum(o.accepted[k] for o in outs)
 
 
@@ -188,7 +189,7 @@ def test_soak_accepted_counts_only_kept_tokens():
     bad = [(o.request_id, o.accepted, len(o.token_ids)) for o in outs if sum(o.accepted.values()) != len(o.token_ids)]
     assert not bad, bad
     s = llm.stats()
-    assert s["tokens"] == sum(s[k] for k in SOURCES)
+    assert s["tokens"] == sum(s[k] for k in llm.sources)
 
 
 def test_soak_reference_is_consistent(soak):
@@ -201,18 +202,17 @@ def test_soak_reference_is_consistent(soak):
 # ----------------------------------------------------------------------------- boundaries
 
 
-class SpyDrafter:
-    """Wraps the engine's n-gram drafter and records, per call, each row's raw draft length,
-    its anchor position and whether it is active."""
+class SpyDrafter(NgramDrafter):
+    """The n-gram drafter, recording for each match it runs every row's raw draft length, its
+    anchor position and whether it is live (an idle row knows no tokens)."""
 
-    def __init__(self, engine):
-        self.inner, self.engine, self.calls = engine.ngram, engine, []
-        self.k, self.n_min, self.n_max = self.inner.k, self.inner.n_min, self.inner.n_max
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
-    def __call__(self, tokens, hist_len):
-        draft, valid, m = self.inner(tokens, hist_len)
-        R = valid.shape[0]
-        self.calls.append((valid.tolist(), (hist_len - 1).tolist(), self.engine.active[:R].tolist()))
+    def forward(self, tokens, hist_len):
+        draft, valid, m = super().forward(tokens, hist_len)
+        self.calls.append((valid.tolist(), (hist_len - 1).tolist(), (hist_len > 0).tolist()))
         return draft, valid, m
 
 
@@ -223,9 +223,9 @@ def test_cache_end_mid_step_with_an_overflowing_draft(tmp_path):
     Ls, model = 64, dict(initializer_range=0.02, vocab_size=V)
     _, net = tiny_pair(0, **model)
     trace = tmp_path / "trace.jsonl"
-    llm = LLM.from_model(net, ByteTokenizer(), spec="ngram", max_batch_size=3, max_seq_len=Ls, cost=FLAT_COST,
+    spy = SpyDrafter()
+    llm = LLM.from_model(net, ByteTokenizer(), drafters=[spy], max_batch_size=3, max_seq_len=Ls, cost=FLAT_COST,
                          trace=str(trace))
-    spy = llm.engine.ngram = SpyDrafter(llm.engine)
     prompts = [[9, 10, 11, 12] * 10 + [9, 10], [20, 21], [30, 31, 32] * 5, [40]]
     params = [SamplingParams(temperature=0, max_tokens=100), SamplingParams(temperature=0, max_tokens=40),
               SamplingParams(temperature=0.8, seed=7, max_tokens=40), SamplingParams(temperature=0, max_tokens=3)]

@@ -33,16 +33,16 @@ def drafter_on_context(seed: int = 0):
 def test_drafts_read_only_the_context_before_the_anchor():
     d, feats = drafter_on_context()
     anchor, lens = torch.tensor([5]), torch.tensor([12])
-    tokens, conf, _, _ = d.draft(anchor, lens, ctx=20)
+    tokens, conf, _, _ = d.draft_block(anchor, lens, ctx=20)
     # Context at and after the anchor's position (a rejected draft's, say) changes nothing.
     later = feats.clone()
     later[12:] = torch.randn_like(later[12:])
     d.write_context(later[12:], torch.zeros(8, dtype=torch.long), torch.arange(12, 20))
-    tokens2, conf2, _, _ = d.draft(anchor, lens, ctx=20)
+    tokens2, conf2, _, _ = d.draft_block(anchor, lens, ctx=20)
     assert torch.equal(tokens, tokens2) and torch.allclose(conf, conf2)
     # Context before it does.
     d.write_context(torch.randn(12, 2, feats.shape[-1]), torch.zeros(12, dtype=torch.long), torch.arange(12))
-    _, conf3, _, _ = d.draft(anchor, lens, ctx=20)
+    _, conf3, _, _ = d.draft_block(anchor, lens, ctx=20)
     assert not torch.allclose(conf, conf3)
 
 
