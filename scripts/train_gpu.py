@@ -3,11 +3,13 @@ training prompts, one pass extracts its features, the drafter trains, its confid
 calibrated and the n-gram table is fitted; the drafter folder is written to DEST.
 
     python scripts/train_gpu.py DEST [--model PATH] [--work runs/spark-gpu] [--minutes 9] [--init DIR]
+                                     [--keep FILE]
     python scripts/train_gpu.py DEST --toy        # a few prompts and steps (tests; on the GPU if any)
 
-Answers already in the work folder's answers.jsonl are kept and new prompts answered beside
-them, so runs in several short GPU sessions can pool their data (copy the file back each time);
---init starts the fit from a drafter folder, such as the shipped one, instead of from scratch.
+--keep FILE (e.g. checkpoints/smollm2-135m-instruct/answers.jsonl.gz) pools the answers of
+runs in several short GPU sessions: the prompts answered there are skipped, the new answers
+added to it, and all of them trained on; copy the file back after each session. --init starts
+the fit from a drafter folder, such as the shipped one, instead of from scratch.
 Then: LLM(spec="hybrid", drafter=DEST). The same stages run on a CPU with `python -m minispark.train`.
 """
 from __future__ import annotations
@@ -22,10 +24,7 @@ from minispark.train import Recipe, run
 
 # Minutes of each timed stage on a GPU; --minutes scales them. The answers are the data that
 # matters (chat prompts the target answers, in its voice); reading text is cut to 800k tokens so
-# that every feature fits in GPU memory for the fit. On an H100 with --minutes 8.1 the data stage
-# wrote 2,048 answers in 171 s, the features of 1.33M tokens (8 GB on disk) took 200 s, and the
-# fit peaked after 4,500 steps (75 s) at 2.2 held-out accepted tokens per step: more answers
-# would help most.
+# that every feature fits in GPU memory for the fit.
 GPU_MINUTES = {"data": 2.5, "fit": 3.0}
 TOTAL_MINUTES, AFTER_FIT_MINUTES = 9.0, 1.5  # the fit is cut short to leave calibration its time
 GPU = dict(batch=256, max_tokens=384, questions=4000, text_tokens=800_000, batch_docs=64, anchors=32,
@@ -43,6 +42,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: DEST/work)")
     ap.add_argument("--minutes", type=float, default=TOTAL_MINUTES, help="the whole run's time on a GPU")
     ap.add_argument("--init", type=Path, default=None, help="start the fit from this drafter folder")
+    ap.add_argument("--keep", type=Path, default=None, metavar="FILE",
+                    help="the target's kept answers (gzip JSON lines) to read and add to")
     ap.add_argument("--toy", action="store_true", help="toy sizes, to test the script (on the CPU where there is no GPU)")
     a = ap.parse_args()
     if a.init is not None and not (a.init / "spark.json").is_file():
@@ -57,7 +58,8 @@ def main() -> None:
         minutes = scale * (TOY_MINUTES if a.toy else GPU_MINUTES).get(stage, 0)
         if stage == "fit" and not a.toy:
             minutes = max(0.5, min(minutes, a.minutes - scale * AFTER_FIT_MINUTES - (t - start) / 60))
-        run(stage, work, a.dest, r, minutes, init=a.init if stage == "fit" else None)  # calibrate the fit's drafter
+        # --init for the fit only: calibrate then takes the fit's drafter
+        run(stage, work, a.dest, r, minutes, init=a.init if stage == "fit" else None, keep=a.keep)
         print(f"stage {stage}: {time.time() - t:.0f} s", flush=True)
     print(f"drafter written to {a.dest} in {(time.time() - start) / 60:.1f} minutes")
 

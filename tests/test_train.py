@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_pair
-from minispark import train
-from minispark.engine import LLM, SamplingParams
+from minispark import LLM, SamplingParams, dataset, train
 from minispark.weights import load_drafter, load_ngram_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +20,8 @@ def toy_drafter(tmp_path_factory) -> Path:
     """scripts/train_gpu.py at toy size, every stage on the demo model (on a GPU where there is
     one, so that a GPU test run covers the script's device paths)."""
     dest = tmp_path_factory.mktemp("drafter")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), str(dest), "--toy"], check=True,
-                   capture_output=True, text=True, timeout=600)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), str(dest), "--toy",
+                    "--keep", str(dest / "kept.jsonl.gz")], check=True, capture_output=True, text=True, timeout=600)
     return dest
 
 
@@ -43,8 +42,59 @@ def test_the_data_stage_answers_requests_the_target_wrote_itself(toy_drafter):
     questions = [json.loads(line)["question"] for line in (work / "questions.jsonl").open()]
     prompts = {json.loads(line)["prompt"] for line in (work / "answers.jsonl").open()}
     assert 0 < len(questions) <= 4  # the toy recipe asks for 4
-    assert all(train.parse_questions(q) == [q] for q in questions) and set(questions) <= prompts
+    assert all(dataset.parse_questions(q) == [q] for q in questions) and set(questions) <= prompts
     assert len(prompts) == len(questions) + 8  # and the 8 templated prompts
+    kept = dataset.read_jsonl(toy_drafter / "kept.jsonl.gz")
+    assert {row["prompt"] for row in kept} == prompts
+    assert {row["prompt"] for row in kept if row["own"]} == set(questions)
+
+
+def test_a_later_run_adds_to_the_kept_answers_and_features_read_them_beside_its_own(toy_drafter, tmp_path):
+    """The toy recipe's run kept its answers; a later run in a fresh folder answers only the
+    prompts the kept file lacks and adds its answers at the end; the features stage reads the
+    kept answers and the run's own that are not kept yet."""
+    import json
+    import shutil
+
+    from minispark.tokenizer import Tokenizer
+    from minispark.weights import default_model
+
+    keep, run = tmp_path / "answers.jsonl.gz", tmp_path / "run"
+    shutil.copy(toy_drafter / "kept.jsonl.gz", keep)
+    first = dataset.read_jsonl(keep)
+    r = train.Recipe(batch=2, max_tokens=8, questions=0, max_prompts=10)
+    dataset.stage_data(run, r, minutes=0.01, keep=keep)
+    kept = dataset.read_jsonl(keep)
+    prompts = [row["prompt"] for row in kept]
+    assert kept[: len(first)] == first and len(set(prompts)) == len(prompts)
+    assert set(prompts[len(first):]) == set(dataset.training_prompts()[:10]) - set(prompts[: len(first)]) != set()
+    assert [row["prompt"] for row in dataset.read_jsonl(run / "answers.jsonl")] == prompts[len(first):]
+    assert all(isinstance(row["answer"], str) and not row["own"] for row in kept[len(first):])
+
+    with (run / "answers.jsonl").open("a") as f:  # an answer not kept, as a run without --keep writes
+        f.write(json.dumps({"prompt": "Name a colour.", "answer_ids": [11, 12, 2]}) + "\n")
+    docs = dataset.documents(run, "answer", Tokenizer.from_path(default_model()), 0, keep=keep)
+    assert len(docs) == len(kept) + 1 and docs[-1]["ids"][-3:] == [11, 12, 2]
+    assert [d["own"] for d in docs[:-1]] == [row["own"] for row in kept]
+    dataset.stage_features(run, r, kinds=("answer",), keep=keep)
+    rows = [row for f in sorted((run / "features").glob("*.pt")) for row in torch.load(f, weights_only=False)]
+    assert [row["ids"].tolist() for row in rows] == [d["ids"] for d in docs]
+
+
+def test_requests_are_written_past_the_rounds_of_the_kept_answers(tmp_path):
+    from types import SimpleNamespace
+
+    class Writer:  # stands in for the target: one request per completion, named by its seed
+        def generate(self, prompts, params):
+            return [SimpleNamespace(text=f"What is the number {p.seed}?\n") for p in params]
+
+    kept = [{"prompt": "What is the number 3000?", "answer_ids": [2], "own": True, "round": 2},
+            {"prompt": "Name a colour.", "answer_ids": [2], "own": False}]
+    r = train.Recipe(batch=1, questions=3)
+    questions = dataset.self_written_questions(tmp_path, Writer(), r, deadline=0, kept=kept)
+    rounds = [row["round"] for row in dataset.read_jsonl(tmp_path / "questions.jsonl")]
+    assert questions == [f"What is the number {3000 + i}?" for i in (1, 2, 3)]  # the kept one is not asked again
+    assert rounds == [3, 3, 3]
 
 
 def test_a_later_run_answers_only_requests_from_its_own_rounds(tmp_path):
@@ -53,7 +103,7 @@ def test_a_later_run_answers_only_requests_from_its_own_rounds(tmp_path):
     import json
 
     r = train.Recipe(batch=4, max_tokens=12, questions=4, question_tokens=24, first_round=5, templates=False)
-    train.stage_data(tmp_path, r, minutes=0.01)
+    dataset.stage_data(tmp_path, r, minutes=0.01)
     rows = [json.loads(line) for line in (tmp_path / "questions.jsonl").open()]
     prompts = [json.loads(line)["prompt"] for line in (tmp_path / "answers.jsonl").open()]
     assert rows and {row["round"] for row in rows} == {5}  # one round (the time is up), the first asked for
@@ -89,10 +139,10 @@ def tiny_corpus(n_docs: int = 24, seed: int = 0):
     rows = []
     for i in range(n_docs):
         frag = torch.randint(3, 64, (12,), generator=g).tolist()
-        r = train.doc_features(net, frag * 6, (0, 2))
+        r = dataset.doc_features(net, frag * 6, (0, 2))
         r.update(held_out=i % 6 == 0, kind="answer")
         rows.append(r)
-    return net, train.Corpus([r for r in rows if not r["held_out"]]), train.Corpus([r for r in rows if r["held_out"]])
+    return net, dataset.Corpus([r for r in rows if not r["held_out"]]), dataset.Corpus([r for r in rows if r["held_out"]])
 
 
 def test_training_steps_lower_the_loss():
@@ -103,7 +153,7 @@ def test_training_steps_lower_the_loss():
     gen = torch.Generator().manual_seed(0)
     ce, tv = [], []
     for _ in range(60):
-        batch = train.block_batch(corpus, torch.randint(0, len(corpus), (8,), generator=gen), 72, 8, 4, gen)
+        batch = dataset.block_batch(corpus, torch.randint(0, len(corpus), (8,), generator=gen), 72, 8, 4, gen)
         parts = train.losses(d, batch, *train.drafter_outputs(d, batch))
         opt.zero_grad()
         parts["loss"].backward()
@@ -173,14 +223,14 @@ def test_calibration_takes_unseen_answers_to_self_written_requests(tmp_path):
              "top_p": torch.zeros(20, 2), "start": 5} for i in range(300)]
     (tmp_path / "features").mkdir()
     torch.save(rows, tmp_path / "features" / "answer-0000-300.pt")
-    held, what = train.calibration_corpus(tmp_path, None)
+    held, what = dataset.calibration_corpus(tmp_path, None)
     assert len(held) == 50 and what.startswith("50 answers to self-written")  # held out and own
-    mine, _ = train.calibration_corpus(tmp_path, tmp_path)  # another run's drafter: none of them seen
+    mine, _ = dataset.calibration_corpus(tmp_path, tmp_path)  # another run's drafter: none of them seen
     assert len(mine) == 150
     for r in rows:
         r["own"] = False  # no self-written requests: all held-out answers
     torch.save(rows, tmp_path / "features" / "answer-0000-300.pt")
-    held, what = train.calibration_corpus(tmp_path, None)
+    held, what = dataset.calibration_corpus(tmp_path, None)
     assert len(held) == 100 and what == "100 held-out answers"
 
 
@@ -200,13 +250,13 @@ def test_ngram_replay_and_table():
 def test_anchors_start_where_a_document_says():
     rows = [{"ids": torch.arange(n), "feats": torch.zeros(n, 2, 4), "top_ids": torch.zeros(n, 3, dtype=torch.long),
              "top_p": torch.zeros(n, 3), "kind": "answer", "start": s} for n, s in ((40, 25), (30, 1), (12, 50))]
-    corpus = train.Corpus(rows)
+    corpus = dataset.Corpus(rows)
     docs = torch.tensor([0, 1, 2])
-    p = train.block_batch(corpus, docs, 64, 200, 4, torch.Generator().manual_seed(0), lo=corpus.start)["anchor_pos"]
+    p = dataset.block_batch(corpus, docs, 64, 200, 4, torch.Generator().manual_seed(0), lo=corpus.start)["anchor_pos"]
     assert (p[0] >= 25).all() and (p[0] <= 38).all() and p[0].min() == 25  # inside [start, n - 2]
     assert p[1].min() == 1 and p[1].max() == 28
     assert (p[2] == 10).all()  # a start past the end is clamped to the last anchor there is
-    default = train.block_batch(corpus, docs, 64, 200, 4, torch.Generator().manual_seed(0))["anchor_pos"]
+    default = dataset.block_batch(corpus, docs, 64, 200, 4, torch.Generator().manual_seed(0))["anchor_pos"]
     assert default[0].min() == 1
 
 
@@ -218,7 +268,7 @@ def test_answer_documents_start_their_anchors_at_the_answer(tmp_path):
 
     tok = Tokenizer.from_path(default_model())
     (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "Name a colour.", "answer_ids": [11, 12, 13]}) + "\n")
-    [doc] = train.documents(tmp_path, "answer", tok, 0)
+    [doc] = dataset.documents(tmp_path, "answer", tok, 0)
     assert doc["ids"][doc["start"]:] == [11, 12, 13]
     assert doc["ids"][: doc["start"]] == tok.encode_chat([{"role": "user", "content": "Name a colour."}])
 
@@ -226,11 +276,11 @@ def test_answer_documents_start_their_anchors_at_the_answer(tmp_path):
 def test_requests_the_target_writes_are_read_off_its_list_until_it_strays():
     text = ("How do volcanoes form?\n- I cheated 3 times.\n- Write a poem about rain.\n- ok?\n"
             "- Describe a day at the beach\n- Compare two sorting algorithms.\nThat is all.\n- Explain gravity.")
-    assert train.parse_questions(text) == ["How do volcanoes form?", "Write a poem about rain.",
+    assert dataset.parse_questions(text) == ["How do volcanoes form?", "Write a poem about rain.",
                                            "Compare two sorting algorithms."]
-    prompt = train.question_prompt("rivers", __import__("random").Random(0))
+    prompt = dataset.question_prompt("rivers", __import__("random").Random(0))
     assert prompt.endswith("\n- ") and "about rivers" in prompt
-    assert all(train.parse_questions(e) == [e] for e in train.QUESTION_EXAMPLES)  # the examples pass the filter
+    assert all(dataset.parse_questions(e) == [e] for e in dataset.QUESTION_EXAMPLES)  # the examples pass the filter
 
 
 def test_the_mt_bench_evaluation_reports_acceptance_and_calibration(toy_drafter):
@@ -281,11 +331,11 @@ def test_a_features_rerun_redoes_only_a_last_shard_that_has_grown(tmp_path):
 
     feats, recipe = tmp_path / "features", train.Recipe()
     answers(4)
-    train.stage_features(tmp_path, recipe, kinds=("answer",), shard_docs=3)
+    dataset.stage_features(tmp_path, recipe, kinds=("answer",), shard_docs=3)
     assert sorted(p.name for p in feats.iterdir()) == ["answer-0000-3.pt", "answer-0001-1.pt"]
     full = (feats / "answer-0000-3.pt").stat().st_mtime_ns
     answers(5)  # the last shard grows, and is still not full
-    train.stage_features(tmp_path, recipe, kinds=("answer",), shard_docs=3)
+    dataset.stage_features(tmp_path, recipe, kinds=("answer",), shard_docs=3)
     assert sorted(p.name for p in feats.iterdir()) == ["answer-0000-3.pt", "answer-0001-2.pt"]
     assert (feats / "answer-0000-3.pt").stat().st_mtime_ns == full  # the full shard is not redone
     assert len(torch.load(feats / "answer-0001-2.pt", weights_only=False)) == 2
