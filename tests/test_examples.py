@@ -2,6 +2,8 @@
 command line and on pipes, and every command-line mistake answered with one line, no traceback."""
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 import shutil
@@ -139,6 +141,33 @@ def test_chat_piped_stdin_answers_every_line():
     assert "Paris" in r.stdout.split(lines[1])[0]
 
 
+def load(script: Path):
+    """The example as a module, for its constants and helpers (running it stays a subprocess)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_code_edit_default_is_a_correct_edit(dtype):
+    # The first thing a user runs, `python examples/code_edit.py`, must show the model doing the
+    # edit right: the built-in sample with the function renamed, and nothing else changed.
+    demo = load(EDIT)
+    old, new = re.fullmatch(r"Rename the function `(\w+)` to `(\w+)`\.", demo.INSTRUCTION).groups()
+    r = run(EDIT, *([] if dtype == "auto" else ["--dtype", dtype]))
+    assert r.returncode == 0, r.stderr
+    answer = r.stdout.split(demo.INSTRUCTION, 1)[1]  # after the title: the streamed answer, the diff
+    edited = demo.extract_code(answer, closed=True)
+    assert edited is not None, r.stdout
+    assert new in {f.name for f in ast.walk(ast.parse(edited)) if isinstance(f, ast.FunctionDef)}, edited
+    assert not re.search(rf"\b{old}\b", edited), edited
+    assert edited == re.sub(rf"\b{old}\b", new, demo.SAMPLE), edited  # renamed where it stood, nothing else
+    line = next(ln for ln in demo.SAMPLE.splitlines() if f"def {old}(" in ln)
+    changed = [ln.rstrip() for ln in answer.split("+++ after")[1].splitlines() if ln.startswith(("-", "+"))]
+    assert changed == [f"-{line}", f"+{line.replace(old, new)}"], r.stdout  # and the diff shows just that
+
+
 SOURCE = '''def mean(xs):
     """The average of a list of numbers."""
     total = 0
@@ -193,6 +222,7 @@ MISTAKES = {  # id: (script, args, words the one error line must contain)
     "chat-spec": (CHAT, ["--spec", "bogus"], ["bogus", "spec"]),
     "edit-spec": (EDIT, ["--spec", "bogus"], ["bogus", "spec"]),
     "edit-missing-file": (EDIT, ["/nonexistent/missing.py", "do it"], ["no such file", "/nonexistent/missing.py"]),
+    "edit-file-no-instruction": (EDIT, [str(EDIT)], ["INSTRUCTION", "FILE"]),  # the default is for the sample
     "chat-model": (CHAT, ["--model", "/nonexistent/path.gguf"], ["/nonexistent/path.gguf", "not found"]),
     "edit-model": (EDIT, ["--model", "/nonexistent/path.gguf"], ["/nonexistent/path.gguf", "not found"]),
     "chat-model-brackets": (CHAT, ["--model", "/nonexistent/x[/y].gguf"], ["/nonexistent/x[/y].gguf", "not found"]),
