@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -105,7 +106,6 @@ def checkout(path: str):
     """The `minispark` package of another checkout at `path`, imported under a name of its own
     (its modules import each other relatively), so that both versions run in one process."""
     import importlib.util
-    import sys
 
     init = Path(path) / "minispark" / "__init__.py"
     if not init.is_file():
@@ -135,7 +135,8 @@ def run_minispark(llm: LLM, mode: str, prompts: list[list[int]], batch: int, max
     so that other systems may take a turn; timed only while it runs."""
     # No seed: each request gets its own from the LLM's (0) and its request id, the same for a
     # prompt in every mode (each runs the same parts in the same order).
-    stream = llm.stream(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    params = sys.modules[type(llm).__module__].SamplingParams  # an --against checkout has its own
+    stream = llm.stream(prompts, params(temperature=temperature, max_tokens=max_tokens))
     outs, seconds = {}, 0.0
     while True:
         start = time.perf_counter()
