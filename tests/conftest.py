@@ -94,7 +94,7 @@ def tiny_llm(spec: str = "off", seed: int = 0, eos: int | None = None, max_batch
     _, ms = tiny_pair(seed, **overrides)
     if spec in ("spark", "hybrid", "three") and drafter is None:
         drafter = bigram_drafter(ms, seed=seed)
-    drafters = [NgramDrafter(), drafter, Bigram(p=0.9)] if spec == "three" else None
+    drafters = [NgramDrafter(), drafter, Bigram(p=0.3)] if spec == "three" else None
     return LLM.from_model(ms, ByteTokenizer(eos), spec=None if drafters else spec, drafters=drafters,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, cost=cost, drafter=drafter)
 
