@@ -6,132 +6,26 @@ continuous batching: the host admits waiting requests into free slots, plans eac
 """
 from __future__ import annotations
 
-import codecs
 import itertools
 import json
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
 from .drafters import Drafter, NgramDrafter, SparkDrafter
-from .engine import FINISH, MAX_STOP_IDS, Engine, StepOut
+from .engine import FINISH, Engine, StepClock, StepOut
 from .cpu import resolve_dtype
 from .model import Transformer
-from .planner import BUDGETS, ROWS, CostModel, Pieces, Plan, Planner, Row, bucket, profile, round_up
+from .planner import BUDGETS, ROWS, CostModel, Pieces, Plan, Planner, bucket, profile, round_up
+from .requests import Delta, Request, RequestOutput, SamplingParams, make_requests, randomness
 from .tokenizer import Tokenizer
 from .weights import DEMO_DRAFTER, load_drafter, load_model, load_ngram_table
 
 SPEC_MODES = ("off", "ngram", "spark", "hybrid")
 NON_FINITE = ("the model produced NaN or inf logits for this request (a broken checkpoint, or an "
               "overflow in this dtype: try dtype='float32'); nothing was sampled from them")
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        def bad(what: str) -> ValueError:
-            return ValueError(f"SamplingParams: {what}")
-
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
-            raise bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63):
-            raise bad(f"seed must be a 64-bit int or None, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple, type(None))) or not all(isinstance(s, str) and s for s in self.stop or []):
-            raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop = list(self.stop or [])
-        ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple, type(None))) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids or []):
-            raise bad(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
-        self.stop_token_ids = list(ids or [])
-        if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    error: str | None = None  # why, when finish_reason is "error"
-    num_steps: int = 0  # decode steps this request took part in
-    accepted: dict[str, int] = field(default_factory=dict)  # tokens by source: each drafter, and "target"
-    chains: dict[str, int] = field(default_factory=dict)  # verified chains by drafter
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class Delta(NamedTuple):
-    """A piece of streamed text and the source whose tokens produced it (a drafter or "target")."""
-    output: RequestOutput
-    text: str
-    source: str
-
-
-@dataclass
-class _Request:
-    out: RequestOutput
-    params: SamplingParams
-    seed: int
-    stop_ids: list[int]
-    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-    sent: int = 0  # characters of `out.text` already streamed
-    slot: int | None = None  # where it runs (None: waiting or finished); compaction moves it
-
-    def row(self) -> Row:
-        o = self.out
-        pace = len(o.token_ids) / o.num_steps if o.num_steps else 1.0
-        return Row(self.params.max_tokens - len(o.token_ids), pace, len(o.prompt_token_ids) + len(o.token_ids))
-
-
-class StepClock:
-    """A step's time on its device: CUDA events around the launch on a GPU (read once the
-    step's results are on the host, so reading needs no sync of its own), wall time on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def __enter__(self) -> "StepClock":
-        if self.cuda:
-            self.start.record()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            self.end.record()
-        self.t1 = time.perf_counter()
-
-    def seconds(self) -> float:
-        return self.start.elapsed_time(self.end) / 1000 if self.cuda else self.t1 - self.t0
 
 
 class Launched(NamedTuple):
@@ -220,7 +114,7 @@ class LLM:
         self._ids = itertools.count()
         self._totals = {"requests": 0, "tokens": 0, "steps": 0, **dict.fromkeys(self.sources, 0),
                         **{f"{k}_chains": 0 for k in self.names}}
-        self._slots: list[_Request | None] = [None] * S
+        self._slots: list[Request | None] = [None] * S
         self._cancel: set[int] = set()  # request ids to stop at the next step
         self._remake = dict(drafter=drafter, ngram_table=table, ngram_k=ngram_k, draft_budget=draft_budget,
                             cost=table_given, pieces=pieces)
@@ -230,14 +124,14 @@ class LLM:
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Complete each prompt (text, or a list of token ids); outputs in prompt order."""
-        reqs = self._make_requests(prompts, params)
+        reqs = self._requests(prompts, params)
         for _ in self._run(reqs):
             pass
         return [r.out for r in reqs]
 
     def stream(self, prompts, params=None) -> Iterator[Delta]:
         """Like `generate`, but yields each request's new text as its tokens are accepted."""
-        yield from self._run(self._make_requests(prompts, params))
+        yield from self._run(self._requests(prompts, params))
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -247,8 +141,7 @@ class LLM:
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
 
     def cancel(self, request_id: int) -> None:
-        """Stop one request of a running `stream`: it finishes "cancelled" with its text so far,
-        and its slot goes to the next waiting request."""
+        """Stop one request of a running `stream`: it finishes "cancelled" with its text so far."""
         self._cancel.add(request_id)
 
     def with_spec(self, spec: str) -> "LLM":
@@ -282,66 +175,14 @@ class LLM:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def _make_requests(self, prompts, params) -> list[_Request]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
-                             f"got {type(prompts).__name__}")
-        params = SamplingParams() if params is None else params
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
-            raise ValueError("params must be a SamplingParams or a list of them, one per prompt")
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
-        # Validate everything before anything runs, so one bad request cannot cost the others.
-        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
-        stops = [self._stop_ids(p) for p in params]
-        reqs = []
-        for prompt, ids, p, stop_ids in zip(prompts, encoded, params, stops):
-            rid = next(self._ids)
-            seed = p.seed if p.seed is not None else self.seed * 1_000_003 + rid
-            out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
-                                accepted=dict.fromkeys(self.sources, 0), chains=dict.fromkeys(self.names, 0))
-            reqs.append(_Request(out, p, seed, stop_ids))
-        return reqs
-
-    def _stop_ids(self, p: SamplingParams) -> list[int]:
-        stop_ids = list(dict.fromkeys([*p.stop_token_ids, *([] if p.ignore_eos else self.tokenizer.stop_ids)]))
-        if len(stop_ids) > MAX_STOP_IDS:
-            own = "" if p.ignore_eos else (f", with the tokenizer's {len(self.tokenizer.stop_ids)} end-of-turn "
-                                           f"ids (ignore_eos=True leaves those out)")
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}: "
-                             f"{len(p.stop_token_ids)} in stop_token_ids{own}")
-        return stop_ids
-
-    def _encode(self, i: int, prompt) -> list[int]:
-        L, V = self.engine.L, self.engine.model.args.vocab_size
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; give at least one character or token")
-            ids = self.tokenizer.encode(prompt)
-            if any(not 0 <= t < V for t in ids):
-                raise ValueError(f"prompt {i} encodes to token ids outside the model's vocabulary [0, {V}): "
-                                 f"the tokenizer does not belong to this model")
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; give at least one token")
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {V}): {bad[:5]}")
-        else:
-            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
-        if len(ids) > L - 1:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_seq_len={L} allows "
-                             f"({L - 1}, leaving room for one generated token); raise max_seq_len or "
-                             f"shorten the prompt")
-        return ids
+    def _requests(self, prompts, params) -> list[Request]:
+        e = self.engine
+        return make_requests(prompts, params, self.tokenizer, e.L, e.model.args.vocab_size, self._ids, self.seed,
+                             self.sources)
 
     # -- the host loop ----------------------------------------------------------------------------------
 
-    def _run(self, reqs: list[_Request]) -> Iterator[Delta]:
+    def _run(self, reqs: list[Request]) -> Iterator[Delta]:
         """Continuous batching. On a GPU the host launches step t, then reads step t-1's tokens,
         so it streams and schedules while the device works; finished slots go to waiting requests."""
         try:
@@ -354,7 +195,7 @@ class LLM:
                 if not req.out.finished:
                     req.out.finish_reason = "cancelled"
 
-    def _schedule(self, reqs: list[_Request]) -> Iterator[Delta]:
+    def _schedule(self, reqs: list[Request]) -> Iterator[Delta]:
         eng, slots = self.engine, self._slots
         waiting, pending = deque(reqs), None
         while waiting or pending or any(slots):
@@ -428,7 +269,7 @@ class LLM:
         for req in self._slots:
             if req is not None and req.out.request_id in self._cancel:
                 self._finish(req, "cancelled")
-                yield Delta(req.out, self._flush(req), "target")
+                yield Delta(req.out, req.flush(), "target")
         for req in [r for r in waiting if r.out.request_id in self._cancel]:
             waiting.remove(req)
             req.out.finish_reason = "cancelled"
@@ -453,15 +294,15 @@ class LLM:
             if reason == "error":
                 o.error = NON_FINITE
                 self._finish(req, reason)
-                yield Delta(o, self._flush(req), "target")
+                yield Delta(o, req.flush(), "target")
                 continue
             for j, tok in enumerate(tokens[i][: n[i]]):
                 by = src if j < n_draft[i] else "target"
                 o.accepted[by] += 1
-                stopped = self._append(req, tok)
+                stopped = req.append(tok, self.tokenizer)
                 if stopped or (reason and j == n[i] - 1):
                     self._finish(req, "stop" if stopped else reason, cut=stopped)
-                delta = self._flush(req)
+                delta = req.flush()
                 if delta or o.finished:
                     yield Delta(o, delta, by)
                 if stopped:
@@ -483,29 +324,7 @@ class LLM:
                                       "ms": round(step.clock.seconds() * 1e3, 3), "slots": slots}) + "\n")
         self._trace.flush()
 
-    def _append(self, req: _Request, tok: int) -> bool:
-        """Add one token to a request's output; True when a stop string completed."""
-        o = req.out
-        o.token_ids.append(tok)
-        before = len(o.text)
-        if tok not in self.tokenizer.special_ids:
-            o.text += req.decoder.decode(self.tokenizer.decode_bytes([tok]))
-        # One token may complete several stop strings: the text ends at the earliest.
-        found = [o.text.find(stop, max(0, before - len(stop) + 1)) for stop in req.params.stop]
-        found = [at for at in found if at >= 0]
-        if found:
-            o.text = o.text[: min(found)]
-        return bool(found)
-
-    def _flush(self, req: _Request) -> str:
-        """New text that is safe to show: hold back what could still become a stop string."""
-        o = req.out
-        hold = 0 if o.finished else max((len(s) - 1 for s in req.params.stop), default=0)
-        end = max(req.sent, len(o.text) - hold)
-        delta, req.sent = o.text[req.sent:end], end
-        return delta
-
-    def _finish(self, req: _Request, reason: str, cut: bool = False) -> None:
+    def _finish(self, req: Request, reason: str, cut: bool = False) -> None:
         """cut: a stop string ended the text, so bytes held by the decoder belong after it."""
         o = req.out
         if not cut:
@@ -524,13 +343,6 @@ class LLM:
             t[k] += v
         for k, v in o.chains.items():
             t[f"{k}_chains"] += v
-
-
-def randomness(params: list[SamplingParams]) -> tuple[bool, bool]:
-    """Whether any request samples, and whether any that samples sets top-k or top-p: two static
-    choices of a step's graph (a greedy step draws nothing, an unfiltered one sorts nothing)."""
-    sampled = [p for p in params if p.temperature > 0]
-    return bool(sampled), any(p.top_k > 0 or p.top_p < 1 for p in sampled)
 
 
 def shortcut_drafters(spec: str, folder, table, net: Transformer) -> tuple[list[Drafter], torch.Tensor | None]:

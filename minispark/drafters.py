@@ -436,7 +436,7 @@ class SparkDrafter(Drafter):
         alone), and, when sampling (temperature [R] and uniforms u [R, g, Vd] given), the draft
         distributions q [R, g, Vd] and the tokens sampled from them [R, g]; without sampling,
         q is None and sampled is greedy (as on rows at temperature 0)."""
-        R, g = anchor.shape[0], self.args.block
+        R = anchor.shape[0]
         kpos = torch.arange(ctx, device=lens.device)
         ctx_mask = (kpos[None, :] < lens[:, None])[:, None, :]  # [R, 1, C]
         ctx_kv = [(l.attention.k_cache[:R, :ctx], l.attention.v_cache[:R, :ctx]) for l in self.layers]

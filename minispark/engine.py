@@ -8,6 +8,7 @@ graph, and nothing in the step reads a tensor value on the host.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -353,6 +354,31 @@ class Engine:
         if not est:
             return a, torch.zeros(out.shape[0], 0, 2, device=self.device)
         return torch.stack(est, 1), torch.stack(seen, 1)
+
+
+class StepClock:
+    """A step's time on its device: CUDA events around the launch on a GPU (read once the
+    step's results are on the host, so reading needs no sync of its own), wall time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __enter__(self) -> "StepClock":
+        if self.cuda:
+            self.start.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.start.elapsed_time(self.end) / 1000 if self.cuda else self.t1 - self.t0
+
 
 
 def check_memory(model: Transformer, S: int, L: int, device: torch.device, drafters: list) -> None:

@@ -57,7 +57,7 @@ def test_greedy_output_on_cuda_matches_cpu(spec, compile):
 
 
 def test_the_step_clock_reads_the_device_time_of_a_cuda_step():
-    from minispark.api import StepClock
+    from minispark.engine import StepClock
 
     x = torch.randn(4096, 4096, device="cuda")
     x @ x  # warm-up
