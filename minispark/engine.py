@@ -175,7 +175,8 @@ class Engine:
         self.tokens[slot_t, lens] = first
         self.n_gen[slot_t] = n
         self.active[slot_t] = finish == 0
-        rows = self.rows(slot_t, min(self.L, -(-(int(lens.max()) + 1) // 64) * 64), sampling)
+        longest = max(len(p) for p in prompts)  # known on the host: no sync for lens.max()
+        rows = self.rows(slot_t, min(self.L, -(-(longest + 1) // 64) * 64), sampling)
         # Until a drafter has drafted, the planner guesses even odds for every token.
         guess = torch.full((R, self.K), 0.5, device=dev).cumprod(-1)
         est = torch.stack([self.survival(c, slot_t) if (c := d.commit(rows, None, None, None)) is not None
